@@ -1,7 +1,26 @@
 """specstream: speculative decoding engine. The public API lives here; submodules are the engine's rooms."""
 
+from specstream.config import EngineConfig, SpeculativeConfig
+from specstream.engine import Engine
 from specstream.models import DEFAULT_MODEL, ModelError, load_model, load_tokenizer, resolve_model
+from specstream.outputs import RequestOutput, StepOutput
+from specstream.sampling import SamplingParams
+from specstream.sequence import SpecStats
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MODEL", "ModelError", "load_model", "load_tokenizer", "resolve_model", "__version__"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "Engine",
+    "EngineConfig",
+    "ModelError",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecStats",
+    "SpeculativeConfig",
+    "StepOutput",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model",
+    "__version__",
+]

@@ -158,11 +158,17 @@ def load_tokenizer(source: ModelSource):
         raise ModelError(f"could not load the tokenizer of '{source.name}': {exc}") from exc
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+):
     from transformers import AutoModelForCausalLM
 
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **_load_kwargs(source))
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra, **_load_kwargs(source))
     except (OSError, ValueError) as exc:
         if _is_hub_id(source):
             raise ModelError(_hub_hint(source.name)) from exc
@@ -232,3 +238,20 @@ def _convert(model: BundledModel, gguf: Path, target: Path) -> None:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     _log(f"converted in {time.perf_counter() - start:.1f} s; later loads read the cache")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 where the device runs it natively, else fp32."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32

@@ -1,0 +1,77 @@
+"""Engine configuration: one dataclass for the engine, one for speculation, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPECULATIVE_METHODS = ("ngram", "draft", "off")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How drafts are proposed.
+
+    method: "ngram" (prompt lookup over prompt + output), "draft" (a small model sharing the
+    target's vocabulary, named by draft_model), or "off" (plain decoding).
+    num_speculative_tokens: the most drafts per sequence per round (k_max).
+    adaptive: choose each sequence's k per round from its acceptance history and the
+    measured cost of verification; False drafts k_max whenever a proposal exists.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    draft_model: str | None = None
+    draft_dtype: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be between 0 and 64")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off" and self.num_speculative_tokens > 0
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    dtype/device: "auto" picks bf16 where the hardware runs it natively (else fp32) and cuda
+    when present. KV space is kv_cache_tokens slots per model; when None it is derived from
+    kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
+    model's own limit, capped by the pool).
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "auto"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int = 512 * 2**20
+    kv_block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.kv_block_size:
+            raise ValueError("kv_cache_tokens must hold at least one block")
+        if self.max_num_batched_tokens < self.speculative.num_speculative_tokens + 1:
+            raise ValueError("max_num_batched_tokens must fit one sequence's verification step")

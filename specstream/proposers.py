@@ -1,0 +1,158 @@
+"""Draft proposers behind one interface.
+
+A proposer is asked for up to k_i draft tokens for each decoding sequence and returns them
+with, for stochastic proposers, the distribution each was drawn from (verification needs q).
+Deterministic proposers return probs=None (q is one-hot). A new proposer (an EAGLE-style
+head, say) implements the same four members; verification does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specstream.kv import KVPool
+from specstream.runner import ForwardItem, ModelRunner
+from specstream.sampling import STREAM_DRAFT, probabilities, sample_from, uniform
+from specstream.sequence import Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
+
+
+class Proposer:
+    deterministic = True
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def pass_cost(self, num_seqs: int) -> float:
+        """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
+        return 0.0
+
+    def on_commit(self, seq: Sequence) -> None:
+        """The target accepted some tokens of seq: drop state past them."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was preempted: free what the proposer holds for it."""
+
+
+class NoProposer(Proposer):
+    def propose(self, seqs, ks):
+        return [Draft([]) for _ in seqs]
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from max_n down to min_n) and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs, ks):
+        return [Draft(self.lookup(s.token_ids, k)) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = len(arr)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            # Windows starting at 0 .. length-n-1 (the suffix itself excluded).
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+
+class DraftModelProposer(Proposer):
+    """A small causal LM sharing the target's vocabulary, run batched: one packed pass per
+    draft position over all drafting sequences, with its own KV pool and rollback."""
+
+    deterministic = False
+
+    def __init__(self, model, pool: KVPool, cost=None) -> None:
+        self.runner = ModelRunner(model, pool)
+        self.pool = pool
+        self.cost = cost  # CostModel of one packed draft pass, set after calibration
+        self._state: dict[str, list] = {}  # request_id -> [block_table, num_cached]
+
+    def pass_cost(self, num_seqs: int) -> float:
+        return self.cost(num_seqs) if self.cost is not None else 0.0
+
+    def propose(self, seqs, ks):
+        drafts = [Draft([], None) for _ in seqs]
+        active = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k <= 0:
+                continue
+            table, _ = self._state.setdefault(seq.request_id, [[], 0])
+            # Positions up to len + k - 2 are fed (the last draft is never fed).
+            if self.pool.reserve(table, len(seq.token_ids) + k - 1):
+                active.append(i)
+        step = 0
+        while active:
+            items = []
+            for i in active:
+                seq, state = seqs[i], self._state[seqs[i].request_id]
+                if step == 0:
+                    new = seq.token_ids[state[1] :]
+                else:
+                    new = [drafts[i].tokens[-1]]
+                items.append(ForwardItem(state[0], state[1], new, 1))
+                state[1] += len(new)
+            logits = self.runner.forward(items)
+            self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
+            step += 1
+            active = [i for i in active if ks[i] > step]
+        for d in drafts:
+            if d.probs is not None:
+                d.probs = torch.stack(d.probs) if isinstance(d.probs, list) else d.probs
+        return drafts
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
+        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        greedy_ids = logits.argmax(-1).tolist()
+        for j, d in enumerate(drafts):
+            if j not in sampled:
+                d.tokens.append(greedy_ids[j])
+        if not sampled:
+            return
+        params = [seqs[j].params for j in sampled]
+        probs = probabilities(
+            logits[sampled],
+            torch.tensor([p.temperature for p in params], device=logits.device),
+            torch.tensor([p.top_k for p in params], device=logits.device),
+            torch.tensor([p.top_p for p in params], device=logits.device),
+        )
+        us = torch.tensor(
+            [uniform(seqs[j].params.seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
+            dtype=torch.float64,
+            device=logits.device,
+        )
+        tokens = sample_from(probs, us).tolist()
+        for row, j in enumerate(sampled):
+            d = drafts[j]
+            d.tokens.append(tokens[row])
+            if d.probs is None:
+                d.probs = []
+            d.probs.append(probs[row])
+
+    def on_commit(self, seq):
+        state = self._state.get(seq.request_id)
+        if state is not None:
+            # Everything fed before the first position where the accepted tokens differ from
+            # what was fed stays valid; that is at most len - 1 positions.
+            state[1] = min(state[1], len(seq.token_ids) - 1)
+            self.pool.trim(state[0], state[1])
+
+    def release(self, seq):
+        state = self._state.pop(seq.request_id, None)
+        if state is not None:
+            self.pool.free(state[0])

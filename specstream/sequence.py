@@ -1,0 +1,81 @@
+"""A request inside the engine: its tokens, its place in the KV pool, its speculation stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from specstream.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (vLLM's vocabulary)."""
+
+    rounds: int = 0  # verification rounds (engine steps that produced tokens)
+    drafted: int = 0  # draft tokens proposed and verified
+    accepted: int = 0  # draft tokens the target accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.arrival = arrival  # admission order; the newest is preempted first
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached = 0  # positions whose KV is in the target pool
+        self.finish_reason: str | None = None
+        self.stats = SpecStats()
+        self.detokenizer = None  # IncrementalDetokenizer, set by the engine
+        # Acceptance history for the adaptive k policy (exponentially decayed counts).
+        self.accept_mass = 0.0
+        self.reject_mass = 0.0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet fed to the target (1 in steady decoding, more while prefilling)."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

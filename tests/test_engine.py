@@ -1,0 +1,183 @@
+"""Engine: speculative output equals plain output (fp32 greedy), seeded sampling is
+reproducible, speculative sampling keeps the target's distribution, limits hold."""
+
+import pytest
+import torch
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "Paris",
+    "Speculative decoding lets a small proposer guess tokens. Speculative decoding lets a small proposer guess tokens that a large model verifies. Speculative",
+    [{"role": "user", "content": "Hello! How can I help you today?"}],
+]
+
+
+def engine(model, method="off", k=4, adaptive=False, **kw):
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=adaptive, **kw.pop("spec", {}))
+    return Engine(EngineConfig(model=str(model), dtype="float32", speculative=spec, **kw), log=False)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return engine(tiny_model_dir)
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def test_ngram_greedy_equals_plain_alone_and_batched(tiny_model_dir, plain):
+    spec = engine(tiny_model_dir, "ngram", k=5)
+    expected = [plain.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+    assert [spec.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == expected
+    batched = spec.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in batched] == expected
+    assert sum(o.stats.drafted for o in batched) > 0 and sum(o.stats.accepted for o in batched) > 0
+
+
+def test_draft_model_greedy_equals_plain_alone_and_batched(tiny_model_dir, tiny_draft_dir, plain):
+    spec = engine(tiny_model_dir, "draft", k=3, spec={"draft_model": str(tiny_draft_dir)})
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert [spec.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == expected
+    batched = spec.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in batched] == expected
+    stats = batched[0].stats
+    assert stats.drafted > 0 and stats.drafted_per_position[0] >= stats.drafted_per_position[-1]
+
+
+def test_draft_identical_to_target_is_always_accepted(tiny_model_dir):
+    spec = engine(tiny_model_dir, "draft", k=4, spec={"draft_model": str(tiny_model_dir)})
+    out = spec.generate(PROMPTS[0], GREEDY)[0]
+    assert out.stats.accepted == out.stats.drafted > 0
+
+
+def test_adaptive_k_greedy_equals_plain(tiny_model_dir, plain):
+    spec = engine(tiny_model_dir, "ngram", k=8, adaptive=True)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_penalties_apply_identically_with_and_without_speculation(tiny_model_dir, plain):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, presence_penalty=0.7, frequency_penalty=0.4)
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    got, want = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert want[0].token_ids != plain.generate(PROMPTS[0], GREEDY)[0].token_ids[:30]
+
+
+def test_seeded_sampling_is_reproducible_and_ngram_does_not_change_it(tiny_model_dir, plain):
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]
+    first = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in plain.generate(PROMPTS, params)] == first
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == first
+
+
+def test_draft_model_sampling_keeps_target_distribution(tiny_model_dir, tiny_draft_dir):
+    """The second output token passes through the rejection sampler (its draft comes from
+    the draft model); its frequencies over many seeds must match the exact marginal
+    sum_t1 p(t1) p(t2 | t1) computed from the target model, within 5 standard deviations."""
+    from specstream.models import load_model, resolve_model
+
+    prompt = [5, 40, 7, 99, 12]
+    n = 3000
+    spec = engine(tiny_model_dir, "draft", k=3, spec={"draft_model": str(tiny_draft_dir)}, max_num_seqs=256, max_num_batched_tokens=2048)
+    outs = spec.generate([prompt] * n, [SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)])
+    assert sum(o.stats.drafted for o in outs) >= n
+    second = torch.tensor([o.token_ids[1] for o in outs])
+
+    ref = load_model(resolve_model(str(tiny_model_dir)))
+    with torch.inference_mode():
+        p1 = ref(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        vocab = p1.shape[0]
+        batch = torch.cat([torch.tensor([prompt]).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = ref(batch).logits[:, -1].softmax(-1)
+    marginal = (p1[:, None] * p2).sum(0).double()
+    freq = torch.bincount(second, minlength=vocab).double() / n
+    bound = 5 * torch.sqrt(marginal * (1 - marginal) / n) + 1.0 / n
+    assert ((freq - marginal).abs() <= bound).all()
+
+
+def test_stop_string_and_max_tokens(tiny_model_dir, plain):
+    full = plain.generate(PROMPTS[0], GREEDY)[0]
+    stop = full.text[10:14]
+    out = plain.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    short = plain.generate(PROMPTS[0], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 7
+
+
+def test_speculation_never_overshoots_max_tokens_or_stop(tiny_model_dir, plain):
+    spec = engine(tiny_model_dir, "ngram", k=8)
+    for max_tokens in (1, 2, 5, 9):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        assert spec.generate(PROMPTS[0], params)[0].token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
+
+
+def test_eos_finishes_with_stop(tiny_model_dir, plain):
+    eos = plain.tokenizer.eos_token_id
+    out = plain.generate(PROMPTS[2], SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[], ignore_eos=False))[0]
+    assert out.finish_reason in ("stop", "length")
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == eos
+
+
+def test_small_kv_pool_preempts_and_still_matches(tiny_model_dir, plain):
+    tight = engine(tiny_model_dir, "ngram", k=4, kv_cache_tokens=192, kv_block_size=8, max_model_len=160)
+    got = tight.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.pool.num_free_blocks == tight.pool.num_blocks
+
+
+def test_chunked_prefill_matches_unchunked(tiny_model_dir, plain):
+    chunked = engine(tiny_model_dir, "ngram", k=4, max_num_batched_tokens=8)
+    assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_pool_is_empty_after_generate_and_abort(tiny_model_dir):
+    e = engine(tiny_model_dir, "ngram", k=4)
+    e.generate(PROMPTS, GREEDY)
+    rid = e.add_request(PROMPTS[0], GREEDY)
+    e.step()
+    e.step()
+    assert e.pool.num_free_blocks < e.pool.num_blocks
+    assert e.abort(rid) and not e.has_unfinished()
+    assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
+def test_prompt_longer_than_context_is_refused(tiny_model_dir):
+    e = engine(tiny_model_dir, max_model_len=32)
+    with pytest.raises(ValueError, match="context is 32 tokens"):
+        e.add_request(list(range(40)), GREEDY)
+
+
+@pytest.mark.parametrize("bad", ["", [], [{"role": "user"}], [10**9], 3.5])
+def test_bad_prompts_are_refused(plain, bad):
+    with pytest.raises(ValueError):
+        plain.add_request(bad, GREEDY)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from conftest import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other-vocab", seed=2, vocab_size=300)
+    with pytest.raises(ValueError, match="does not share the target's vocabulary"):
+        engine(tiny_model_dir, "draft", spec={"draft_model": str(other)})
+
+
+def test_default_model_ngram_greedy_equals_plain_batched():
+    prompts = [
+        [{"role": "user", "content": "Rewrite in the past tense: The cat sits on the mat and the dog runs in the garden."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    plain = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off")), log=False)
+    spec = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=False)), log=False)
+    want = [plain.generate(p, params)[0].token_ids for p in prompts]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert "Paris" in got[1].text
+    assert sum(o.stats.accepted for o in got) > 0

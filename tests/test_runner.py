@@ -1,0 +1,72 @@
+"""Packed forward: ragged batches through the KV pool reproduce the reference model."""
+
+import torch
+
+from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
+from specstream.kv import KVPool
+from specstream.models import load_model, resolve_model
+from specstream.runner import ForwardItem, ModelRunner
+
+
+def setup(model_dir, tokens=512):
+    source = resolve_model(str(model_dir))
+    ref = load_model(source)
+    model = load_model(source, attn_implementation=ATTN_IMPLEMENTATION)
+    pool = KVPool(*model_geometry(model.config), tokens, 8, torch.float32, "cpu")
+    return ref, ModelRunner(model, pool), pool
+
+
+def reference_logits(ref, ids):
+    with torch.inference_mode():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def test_ragged_chunks_match_reference(tiny_model_dir):
+    ref, runner, pool = setup(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (29, 3, 50)]
+    cuts = [11, 1, 40]
+    tables = [[] for _ in seqs]
+    for t, s in zip(tables, seqs):
+        assert pool.reserve(t, len(s))
+    runner.forward([ForwardItem(t, 0, s[:c], 0) for t, s, c in zip(tables, seqs, cuts)])
+    out = runner.forward([ForwardItem(t, c, s[c:], len(s) - c) for t, s, c in zip(tables, seqs, cuts)])
+    expected = torch.cat([reference_logits(ref, s)[c:] for s, c in zip(seqs, cuts)])
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_after_rejected_drafts_equals_cache_rebuilt_from_accepted(tiny_model_dir):
+    _, runner, pool = setup(tiny_model_dir)
+    prompt, drafts, accepted = [5, 17, 42, 9, 100, 7], [11, 12, 13, 14], 2
+    table = []
+    pool.reserve(table, len(prompt) + len(drafts))
+    runner.forward([ForwardItem(table, 0, prompt, 1)])
+    runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts))])
+    # Reject drafts past `accepted`: the length simply moves back. Continue with a new token.
+    length = len(prompt) + accepted
+    after_rollback = runner.forward([ForwardItem(table, length, [77], 1)])
+    kept = [pool.keys[0][pool.slots(table, 0, length + 1)].clone(), pool.values[1][pool.slots(table, 0, length + 1)].clone()]
+
+    fresh = []
+    pool.reserve(fresh, length + 1)
+    rebuilt = runner.forward([ForwardItem(fresh, 0, prompt + drafts[:accepted] + [77], 1)])
+    torch.testing.assert_close(after_rollback, rebuilt, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kept[0], pool.keys[0][pool.slots(fresh, 0, length + 1)], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kept[1], pool.values[1][pool.slots(fresh, 0, length + 1)], atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_logits_do_not_depend_on_its_batch(tiny_model_dir):
+    _, runner, pool = setup(tiny_model_dir)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    alone_table, other_table, batched_table = [], [], []
+    for t in (alone_table, other_table, batched_table):
+        pool.reserve(t, 40)
+    alone = runner.forward([ForwardItem(alone_table, 0, ids, len(ids))])
+    batched = runner.forward([ForwardItem(other_table, 0, list(range(30, 60)), 3), ForwardItem(batched_table, 0, ids, len(ids))])
+    torch.testing.assert_close(batched[3:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_model_geometry_reads_llama_config(tiny_model_dir):
+    from transformers import AutoConfig
+
+    assert model_geometry(AutoConfig.from_pretrained(tiny_model_dir)) == (2, 2, 16)

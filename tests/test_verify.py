@@ -1,0 +1,90 @@
+"""Acceptance: greedy prefix matching and lossless rejection sampling.
+
+Statistical tests draw many rounds in one batched call with fixed seeds; each frequency must
+lie within 5 standard deviations of its exact probability (sqrt(p(1-p)/N)), a bound that a
+correct sampler misses with probability below 1e-6 per cell, and the seeds are fixed, so the
+tests cannot flake."""
+
+import torch
+
+from specstream.sampling import sample_from
+from specstream.verify import accept_by_match, accept_rejection_sampling, accepted_prefix
+
+
+def within_bounds(samples: torch.Tensor, probs: torch.Tensor) -> None:
+    n = samples.numel()
+    freq = torch.bincount(samples, minlength=probs.numel()).double() / n
+    p = probs.double()
+    bound = 5 * torch.sqrt(p * (1 - p) / n) + 1.0 / n
+    assert n >= 500
+    assert ((freq - p).abs() <= bound).all(), f"freq {freq.tolist()} vs p {p.tolist()}"
+
+
+def test_accepted_prefix_stops_at_first_mismatch_and_at_num_drafts():
+    matches = torch.tensor([[True, True, False, True], [True, True, True, True], [False, True, True, True]])
+    assert accepted_prefix(matches, torch.tensor([4, 2, 4])).tolist() == [2, 2, 0]
+
+
+def test_greedy_accepts_matching_prefix_plus_target_token():
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    drafts = torch.tensor([[5, 6, 9], [5, 6, 7], [0, 0, 0]])
+    num_accepted, nxt = accept_by_match(target, drafts, torch.tensor([3, 3, 0]))
+    assert num_accepted.tolist() == [2, 3, 0]
+    assert nxt.tolist() == [7, 8, 1]  # correction, bonus, plain next token
+
+
+def test_inverse_cdf_sampling_matches_distribution_and_skips_zero_mass():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3])
+    n = 40000
+    samples = sample_from(probs.expand(n, -1), torch.rand(n, generator=g, dtype=torch.float64))
+    within_bounds(samples, probs)
+    assert sample_from(probs[None], torch.zeros(1, dtype=torch.float64)).item() == 1
+
+
+def random_dist(g, *shape, peak=2.0):
+    return (torch.randn(*shape, generator=g) * peak).softmax(-1)
+
+
+def test_rejection_sampling_emits_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    n, k, vocab = 60000, 3, 6
+    p = random_dist(g, k + 1, vocab)
+    q = random_dist(g, k, vocab)
+    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(k)], dim=1)
+    num_accepted, nxt = accept_rejection_sampling(
+        p.expand(n, -1, -1),
+        q.expand(n, -1, -1),
+        drafts,
+        torch.full((n,), k),
+        torch.rand(n, k, generator=g),
+        torch.rand(n, generator=g, dtype=torch.float64),
+    )
+    first = torch.where(num_accepted > 0, drafts[:, 0], nxt)
+    within_bounds(first, p[0])
+    # Given the first draft was accepted, the second emitted token follows p_2.
+    took_first = num_accepted > 0
+    second = torch.where(num_accepted[took_first] > 1, drafts[took_first, 1], nxt[took_first])
+    within_bounds(second, p[1])
+    # All accepted: the bonus token follows p_{k+1}.
+    within_bounds(nxt[num_accepted == k], p[k])
+
+
+def test_rejection_sampling_with_identical_draft_accepts_everything():
+    g = torch.Generator().manual_seed(3)
+    p = random_dist(g, 3, 5)
+    drafts = torch.tensor([[1, 2]])
+    num_accepted, _ = accept_rejection_sampling(p[None], p[None, :2], drafts, torch.tensor([2]), torch.rand(1, 2, generator=g), torch.rand(1, dtype=torch.float64))
+    assert num_accepted.item() == 2
+
+
+def test_one_hot_proposal_by_matching_samples_emits_target_distribution():
+    # A deterministic proposer always drafts token 2; matching it against y ~ p must still
+    # emit tokens distributed as p.
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 40000, 5
+    p = random_dist(g, 2, vocab)
+    ys = torch.stack([sample_from(p[i].expand(n, -1), torch.rand(n, generator=g, dtype=torch.float64)) for i in range(2)], dim=1)
+    num_accepted, nxt = accept_by_match(ys, torch.full((n, 1), 2), torch.full((n,), 1))
+    first = torch.where(num_accepted > 0, torch.full_like(nxt, 2), nxt)
+    within_bounds(first, p[0])
