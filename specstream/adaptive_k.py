@@ -22,9 +22,12 @@ from collections.abc import Callable
 
 from specstream.sequence import Sequence
 
-PRIOR_ACCEPT = 0.6
-PRIOR_WEIGHT = 2.0
-DECAY = 0.9
+PRIOR_ACCEPT = 0.5
+PRIOR_WEIGHT = 1.0
+# History fades fast while drafting (acceptance changes with the text) and slowly while not,
+# so a sequence whose drafts stopped paying probes again only every few dozen rounds.
+DECAY_DRAFTING = 0.9
+DECAY_IDLE = 0.97
 
 
 class CostModel:
@@ -47,7 +50,8 @@ class CostModel:
 
     @classmethod
     def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> CostModel:
-        """Time run(n) (one forward over n tokens) for each n; the median of repeats."""
+        """Time run(n) (one forward over n tokens) for each n; the fastest of repeats, since
+        timing noise (other processes, page faults) only ever adds time."""
         run(sizes[0])  # warm-up
         seconds = []
         for n in sizes:
@@ -56,7 +60,7 @@ class CostModel:
                 start = time.perf_counter()
                 run(n)
                 times.append(time.perf_counter() - start)
-            seconds.append(sorted(times)[len(times) // 2])
+            seconds.append(min(times))
         return cls(sizes, seconds)
 
 
@@ -65,8 +69,11 @@ def acceptance_estimate(seq: Sequence) -> float:
 
 
 def record_round(seq: Sequence, drafted: int, accepted: int) -> None:
-    seq.accept_mass = seq.accept_mass * DECAY + accepted
-    seq.reject_mass = seq.reject_mass * DECAY + (1.0 if accepted < drafted else 0.0)
+    """A round is a geometric observation: `accepted` successes, then one failure unless all
+    drafts were accepted."""
+    decay = DECAY_DRAFTING if drafted else DECAY_IDLE
+    seq.accept_mass = seq.accept_mass * decay + accepted
+    seq.reject_mass = seq.reject_mass * decay + (1.0 if accepted < drafted else 0.0)
 
 
 class KPolicy:

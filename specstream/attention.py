@@ -28,7 +28,7 @@ class StepContext:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T]: pool slot receiving each new token's key/value
     kv_index: torch.Tensor  # [S]: pool slots of every key a query of this step may see
-    mask: torch.Tensor  # [1, 1, T, S] bool: True where query t may attend key s
+    mask: torch.Tensor | None  # [1, 1, T, S] bool: True where query t may attend key s; None: all
 
 
 _local = threading.local()

@@ -20,7 +20,9 @@ from specstream.config import EngineConfig
 from specstream.detok import IncrementalDetokenizer
 from specstream.kv import KVPool
 from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
-from specstream.outputs import RequestOutput, StepOutput
+from specstream.errors import InvalidRequestError
+from specstream.metrics import EngineMetrics
+from specstream.outputs import RequestOutput, StreamChunk, Usage
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
@@ -67,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool, self.policy, self.proposer.release)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.metrics = EngineMetrics()
         if log:
             _log(
                 f"engine ready in {time.perf_counter() - start:.1f} s: {config.model} ({self.dtype}, {self.device}), "
@@ -127,41 +130,51 @@ class Engine:
 
     # ---------------------------------------------------------------------- requests
     def encode_prompt(self, prompt) -> list[int]:
-        """A string, a list of token ids, or a list of chat messages -> token ids."""
+        """A string, a list of token ids, or a list of chat messages -> token ids.
+        Raises InvalidRequestError for anything else."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError("each chat message needs a string 'role' and a string 'content'")
+                    raise InvalidRequestError("each chat message needs a string 'role' and a string 'content'")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
         else:
-            raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
+            raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any
+        thread); submit() then queues it."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
                 f"so at most {self.max_model_len - 1} prompt tokens leave room for output"
             )
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, next(self._arrivals))
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, arrival=-1)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        self._requests[request_id] = seq
+        return seq
+
+    def submit(self, seq: Sequence) -> str:
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        seq.arrival = next(self._arrivals)
+        self._requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        return seq.request_id
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        return self.submit(self.prepare(prompt, params, request_id))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV; False when it is not running."""
@@ -170,6 +183,7 @@ class Engine:
             return False
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
+        self.metrics.finished.labels(finished_reason="abort").inc()
         return True
 
     def has_unfinished(self) -> bool:
@@ -184,9 +198,13 @@ class Engine:
         return len(self.scheduler.waiting)
 
     # -------------------------------------------------------------------------- step
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[StreamChunk]:
+        """One round over every running sequence; a chunk per sequence that gained tokens."""
+        preempted = self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
         if plan.empty:
+            self._update_gauges()
             return []
         if any(plan.ks):
             drafts = self.proposer.propose(plan.decodes, plan.ks)
@@ -208,10 +226,27 @@ class Engine:
         rounds += [(s, Draft([]), r) for s, r in zip(completing, rows[len(drafts) :])]
         outputs = []
         for (seq, draft, _), (accepted, tokens) in zip(rounds, verify_round(rounds)):
-            outputs.append(self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes))
+            try:
+                outputs.append(self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                outputs.append(self._fail(seq, exc))
+        self._update_gauges()
         return outputs
 
-    def _commit(self, seq: Sequence, draft: Draft, accepted: int, tokens: list[int], decoding: bool) -> StepOutput:
+    def _update_gauges(self) -> None:
+        self.metrics.num_running.set(len(self.scheduler.running))
+        self.metrics.num_waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_usage.set(self.pool.usage)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
+        seq.finish_reason = "error"
+        self._requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        self.metrics.finished.labels(finished_reason="error").inc()
+        return StreamChunk(seq.request_id, "", [], 0, 0, "error", Usage(seq.num_prompt_tokens, seq.num_output_tokens), error=f"{type(exc).__name__}: {exc}")
+
+    def _commit(self, seq: Sequence, draft: Draft, accepted: int, tokens: list[int], decoding: bool) -> StreamChunk:
         if decoding:
             # The last token and the accepted drafts now have KV; the rejected ones' slots
             # are simply past the length.
@@ -232,23 +267,25 @@ class Engine:
         seq.stats.record(len(draft.tokens), accepted)
         if decoding:
             record_round(seq, len(draft.tokens), accepted)
+        self.metrics.record_round(len(draft.tokens), accepted, len(new))
         finished = seq.finish_reason is not None
+        text = seq.detokenizer.take(final=finished)
         if finished:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq)
+            self.metrics.finished.labels(finished_reason=seq.finish_reason).inc()
         else:
             self.proposer.on_commit(seq)
             self.pool.trim(seq.block_table, len(seq.token_ids))
-        return StepOutput(
+        return StreamChunk(
             request_id=seq.request_id,
+            text=text,
             token_ids=new,
-            text=seq.detokenizer.take(final=finished),
             num_drafted=len(draft.tokens),
             num_accepted=accepted,
-            finished=finished,
             finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens) if finished else None,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
         )
 
     # ---------------------------------------------------------------------- generate
@@ -259,7 +296,7 @@ class Engine:
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         seqs = [self._requests[i] for i in ids]
         while any(not s.is_finished for s in seqs):

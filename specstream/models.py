@@ -21,13 +21,15 @@ from pathlib import Path
 
 import torch
 
+from specstream.errors import SpecstreamError
+
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_ENV = "SPECSTREAM_CACHE_DIR"
 # Bumped when the layout of a converted cache directory changes.
 _CACHE_FORMAT = 1
 
 
-class ModelError(Exception):
+class ModelError(SpecstreamError):
     """A model name that cannot be resolved or loaded; the message says how to fix it."""
 
 

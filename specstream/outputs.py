@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step deltas and finished requests."""
+"""What the engine hands back: one chunk per sequence per round, and finished requests."""
 
 from __future__ import annotations
 
@@ -7,19 +7,35 @@ from dataclasses import dataclass
 from specstream.sequence import SpecStats
 
 
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 @dataclass
-class StepOutput:
-    """One sequence's tokens accepted in one engine step (one round), as one chunk."""
+class StreamChunk:
+    """The tokens one sequence gained in one round (several when drafts were accepted), with
+    that round's drafted/accepted counts. The last chunk of a request carries finish_reason
+    ("stop", "length", "abort" or "error") and usage; error is set when this request failed."""
 
     request_id: str
-    token_ids: list[int]
     text: str
+    token_ids: list[int]
     num_drafted: int
     num_accepted: int
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    prompt_token_ids: list[int] | None = None  # on a request's first chunk only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -30,3 +46,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     stats: SpecStats
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_token_ids), len(self.token_ids))

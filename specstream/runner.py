@@ -50,13 +50,17 @@ class ModelRunner:
             offset += n
         pos = torch.cat(positions)
         kv_pos = torch.cat([torch.arange(len(s)) for s in kv_slots])
-        mask = (torch.cat(tok_seq)[:, None] == torch.cat(kv_seq)[None, :]) & (kv_pos[None, :] <= pos[:, None])
         dev = self.device
+        if len(input_ids) == 1:
+            mask = None  # one query sees every key: no mask lets attention take its fast path
+        else:
+            mask = (torch.cat(tok_seq)[:, None] == torch.cat(kv_seq)[None, :]) & (kv_pos[None, :] <= pos[:, None])
+            mask = mask[None, None].to(dev)
         ctx = StepContext(
             pool=pool,
             slot_mapping=torch.cat(slot_maps).to(dev),
             kv_index=torch.cat(kv_slots).to(dev),
-            mask=mask[None, None].to(dev),
+            mask=mask,
         )
         keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
         with step_context(ctx):

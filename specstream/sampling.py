@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specstream.errors import InvalidRequestError
+
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
@@ -40,19 +42,19 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number")
+                raise InvalidRequestError(f"{name} must be a finite number")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError("max_tokens must be a positive integer")
+            raise InvalidRequestError("max_tokens must be a positive integer")
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidRequestError("top_p must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 disables it)")
+            raise InvalidRequestError("top_k must be >= 0 (0 disables it)")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+            raise InvalidRequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty")
         if self.seed is None:
             self.seed = random.getrandbits(63)
 

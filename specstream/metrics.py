@@ -1,0 +1,48 @@
+"""Prometheus metrics of one engine, in a registry of its own (no process globals), named
+after vLLM's where the meaning is the same."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "specstream_time_to_first_token_seconds", "Time from request arrival to its first chunk.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "specstream_inter_token_latency_seconds",
+            "Time between consecutive chunks of a stream (a chunk carries every token accepted in one round).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "specstream_e2e_request_latency_seconds", "Time from request arrival to its last chunk.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.num_drafts = Counter("specstream_spec_decode_num_drafts", "Rounds in which a sequence verified drafts.", registry=r)
+        self.num_draft_tokens = Counter("specstream_spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.num_accepted_tokens = Counter("specstream_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "specstream_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ["position"], registry=r
+        )
+        self.prompt_tokens = Counter("specstream_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("specstream_generation_tokens", "Tokens generated.", registry=r)
+        self.num_running = Gauge("specstream_num_requests_running", "Sequences in the running batch.", registry=r)
+        self.num_waiting = Gauge("specstream_num_requests_waiting", "Requests waiting for admission.", registry=r)
+        self.kv_usage = Gauge("specstream_kv_cache_usage_perc", "Fraction of KV pool blocks in use (0..1).", registry=r)
+        self.preemptions = Counter("specstream_num_preemptions", "Sequences preempted for KV space (recomputed later).", registry=r)
+        self.finished = Counter("specstream_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
+
+    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if num_drafted:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(num_drafted)
+            self.num_accepted_tokens.inc(num_accepted)
+            for pos in range(num_accepted):
+                self.num_accepted_tokens_per_pos.labels(position=str(pos)).inc()
