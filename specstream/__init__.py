@@ -3,7 +3,9 @@
 from specstream.config import EngineConfig, SpeculativeConfig
 from specstream.engine import Engine
 from specstream.models import DEFAULT_MODEL, ModelError, load_model, load_tokenizer, resolve_model
-from specstream.outputs import RequestOutput, StepOutput
+from specstream.async_engine import AsyncEngine
+from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed, SpecstreamError
+from specstream.outputs import RequestOutput, StreamChunk, Usage
 from specstream.sampling import SamplingParams
 from specstream.sequence import SpecStats
 
@@ -18,7 +20,14 @@ __all__ = [
     "SamplingParams",
     "SpecStats",
     "SpeculativeConfig",
-    "StepOutput",
+    "StreamChunk",
+    "Usage",
+    "AsyncEngine",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "QueueFull",
+    "RequestFailed",
+    "SpecstreamError",
     "load_model",
     "load_tokenizer",
     "resolve_model",

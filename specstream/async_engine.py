@@ -1,0 +1,208 @@
+"""AsyncEngine: the engine behind asyncio, with streams of chunks.
+
+The Engine lives in one worker thread that owns all of its state: it takes commands (add,
+abort) from a thread-safe queue, runs steps while there is work, and hands each step's
+chunks to the event loop with call_soon_threadsafe. The event loop never waits on model
+compute; a stream is an async generator over an asyncio.Queue of chunks. Leaving a stream
+early or cancelling its task sends an abort, which the worker applies before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from specstream.config import EngineConfig
+from specstream.engine import Engine
+from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed, SpecstreamError
+from specstream.outputs import RequestOutput, StreamChunk
+from specstream.sampling import SamplingParams
+from specstream.sequence import SpecStats
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+
+
+class AsyncEngine:
+    """``async with AsyncEngine(config) as engine: async for chunk in engine.stream(...)``.
+
+    max_waiting bounds requests accepted but not yet running; past it stream() raises
+    QueueFull.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None, max_waiting: int = 256) -> None:
+        self.config = config or (engine.config if engine else EngineConfig())
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds = 0  # added by the loop, not yet drained by the worker
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> AsyncEngine:
+        if self._thread is not None:
+            return self
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(Engine, self.config)
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specstream-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self._fail_all(EngineDeadError("the engine was stopped"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self.is_ready
+
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    # -------------------------------------------------------------------- requests
+    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Chunks of one request as its rounds complete; the last carries finish_reason and
+        usage. Raises InvalidRequestError, QueueFull, RequestFailed or EngineDeadError."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed: {self._dead!r}")
+        if not self.is_ready:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self._pending_adds + self.engine.num_waiting >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
+        state = _Stream(asyncio.Queue())
+        self._streams[request_id] = state
+        with self._lock:
+            self._pending_adds += 1
+        self._commands.put(("add", request_id, prompt, params or SamplingParams()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(f"request {request_id} failed: {item.error}")
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+                self._wakeup.set()
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
+        """The whole completion at once (streams internally)."""
+        text, ids, prompt_ids, stats = [], [], [], SpecStats()
+        last = None
+        async for chunk in self.stream(prompt, params, request_id):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            prompt_ids = chunk.prompt_token_ids or prompt_ids
+            stats.record(chunk.num_drafted, chunk.num_accepted)
+            last = chunk
+        return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    # ------------------------------------------------------- event-loop side of hand-off
+    def _deliver(self, chunks: list) -> None:
+        now = time.perf_counter()
+        m = self.engine.metrics
+        for request_id, item in chunks:
+            state = self._streams.get(request_id)
+            if state is None:
+                continue
+            if isinstance(item, StreamChunk):
+                if state.last is None:
+                    m.time_to_first_token.observe(now - state.arrival)
+                else:
+                    m.inter_token_latency.observe(now - state.last)
+                state.last = now
+                if item.finished:
+                    m.e2e_latency.observe(now - state.arrival)
+            state.queue.put_nowait(item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for state in list(self._streams.values()):
+            state.queue.put_nowait(exc)
+
+    # ------------------------------------------------------------------ worker thread
+    def _drain(self) -> list:
+        errors = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return errors
+            if cmd[0] == "add":
+                _, request_id, prompt, params = cmd
+                with self._lock:
+                    self._pending_adds -= 1
+                try:
+                    self.engine.submit(self.engine.prepare(prompt, params, request_id))
+                except SpecstreamError as exc:
+                    errors.append((request_id, exc))
+            else:
+                self.engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        engine, loop = self.engine, self._loop
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                errors = self._drain()
+                if errors:
+                    loop.call_soon_threadsafe(self._deliver, errors)
+                if not engine.has_unfinished():
+                    self._wakeup.wait()
+                    continue
+                chunks = engine.step()
+                if chunks:
+                    loop.call_soon_threadsafe(self._deliver, [(c.request_id, c) for c in chunks])
+        except BaseException as exc:  # noqa: BLE001 - anything here is fatal for every stream
+            self._dead = exc
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine failed: {exc!r}"))

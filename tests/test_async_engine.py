@@ -1,0 +1,251 @@
+"""AsyncEngine: concurrent streams, chunked streaming, cancellation, limits, fault isolation,
+and an event loop that never waits on model compute."""
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.async_engine import AsyncEngine
+from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "Paris",
+    "Speculative decoding lets a small proposer guess tokens. Speculative",
+    [{"role": "user", "content": "Hello! How can I help you today?"}],
+    [5, 6, 7, 8, 9, 5, 6, 7],
+    "Caf\u00e9 na\u00efve \u4f60\u597d",
+    "Hello world " * 6,
+]
+
+
+def make_engine(model, method="ngram", k=4, **kw) -> Engine:
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=False)
+    return Engine(EngineConfig(model=str(model), dtype="float32", speculative=spec, **kw), log=False)
+
+
+@pytest.fixture
+async def aengine(tiny_model_dir):
+    async with AsyncEngine(engine=make_engine(tiny_model_dir)) as e:
+        yield e
+
+
+def mixed_requests():
+    reqs = []
+    for i in range(16):
+        params = SamplingParams(
+            max_tokens=8 + 3 * i,
+            temperature=0 if i % 3 else 0.9,
+            top_p=0.95,
+            seed=100 + i,
+            presence_penalty=0.5 if i % 4 == 0 else 0.0,
+            ignore_eos=True,
+        )
+        reqs.append((PROMPTS[i % len(PROMPTS)], params))
+    return reqs
+
+
+async def collect(engine: AsyncEngine, prompt, params):
+    chunks = [c async for c in engine.stream(prompt, params)]
+    return chunks
+
+
+async def test_sixteen_concurrent_streams_equal_each_alone(tiny_model_dir, aengine):
+    reqs = mixed_requests()
+    alone = make_engine(tiny_model_dir)
+    expected = [alone.generate(p, sp)[0] for p, sp in reqs]
+    results = await asyncio.gather(*(collect(aengine, p, sp) for p, sp in reqs))
+    for chunks, want in zip(results, expected):
+        assert [t for c in chunks for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in chunks) == want.text
+        assert chunks[-1].finish_reason == want.finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+        assert all(c.finish_reason is None for c in chunks[:-1])
+    assert any(len(c.token_ids) > 1 for chunks in results for c in chunks), "accepted drafts arrive as one chunk"
+
+
+async def test_streamed_text_equals_generate(aengine):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    chunks = await collect(aengine, PROMPTS[0], params)
+    out = await aengine.generate(PROMPTS[0], params)
+    assert "".join(c.text for c in chunks) == out.text
+    assert [t for c in chunks for t in c.token_ids] == out.token_ids
+    assert out.prompt_token_ids and out.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    assert sum(c.num_drafted for c in chunks) == out.stats.drafted
+
+
+async def test_stop_string_across_chunks_is_never_streamed(tiny_model_dir, aengine):
+    full = make_engine(tiny_model_dir).generate(PROMPTS[3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].text
+    stop = full[12:17]
+    chunks = await collect(aengine, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == full[: full.index(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def test_leaving_a_stream_early_frees_its_kv(aengine):
+    pool = aengine.engine.pool
+    stream = aengine.stream(PROMPTS[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    await wait_for(lambda: aengine.engine.num_running == 0 and pool.num_free_blocks == pool.num_blocks)
+
+
+async def test_two_hundred_random_cancellations_leave_the_pool_as_it_started(aengine):
+    pool = aengine.engine.pool
+    rng = random.Random(0)
+
+    async def consume(prompt, n_chunks):
+        async for i, _ in aenumerate(aengine.stream(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))):
+            if i >= n_chunks:
+                return
+
+    tasks = []
+    for i in range(200):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        task = asyncio.create_task(consume(prompt, rng.randint(0, 5)))
+        tasks.append(task)
+        if rng.random() < 0.5:
+            await asyncio.sleep(rng.random() * 0.01)
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await wait_for(lambda: aengine.engine.num_running == 0 and aengine.engine.num_waiting == 0)
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not aengine.engine.has_unfinished()
+
+
+async def aenumerate(it):
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1
+
+
+async def test_queue_full_is_a_clear_error(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    release = threading.Event()
+    real_step = engine.step
+    engine.step = lambda: (release.wait(10), real_step())[1]
+    async with AsyncEngine(engine=engine, max_waiting=3) as ae:
+        streams = [ae.stream(PROMPTS[0], SamplingParams(max_tokens=4)) for _ in range(3)]
+        firsts = [asyncio.create_task(s.__anext__()) for s in streams]
+        await wait_for(lambda: engine.num_waiting == 3)
+        with pytest.raises(QueueFull):
+            await ae.stream(PROMPTS[0], SamplingParams(max_tokens=4)).__anext__()
+        release.set()
+        await asyncio.gather(*firsts)
+        for s in streams:
+            await s.aclose()
+
+
+async def test_prompt_longer_than_context_fails_before_compute(tiny_model_dir):
+    async with AsyncEngine(engine=make_engine(tiny_model_dir, max_model_len=64)) as ae:
+        with pytest.raises(InvalidRequestError, match="context is 64 tokens"):
+            await ae.generate(list(range(100)), SamplingParams(max_tokens=4))
+        assert ae.is_healthy
+
+
+async def test_one_failing_request_does_not_harm_the_others(tiny_model_dir, aengine):
+    engine = aengine.engine
+    real_prepare = engine.prepare
+
+    def prepare(prompt, params, request_id):
+        seq = real_prepare(prompt, params, request_id)
+        if request_id == "bad":
+            def explode(token_id):
+                raise RuntimeError("detokenizer broke")
+            seq.detokenizer.add = explode
+        return seq
+
+    engine.prepare = prepare
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    good = [asyncio.create_task(aengine.generate(p, params)) for p in PROMPTS[:4]]
+    with pytest.raises(RequestFailed, match="detokenizer broke"):
+        await aengine.generate(PROMPTS[0], params, request_id="bad")
+    outs = await asyncio.gather(*good)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert aengine.is_healthy
+    await wait_for(lambda: engine.pool.num_free_blocks == engine.pool.num_blocks)
+
+
+async def test_fatal_engine_error_fails_every_stream_and_marks_unhealthy(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    async with AsyncEngine(engine=engine) as ae:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        streams = [asyncio.create_task(ae.generate(p, params)) for p in PROMPTS[:3]]
+        await wait_for(lambda: engine.num_running == 3)
+
+        def broken(items):
+            raise RuntimeError("device lost")
+
+        engine.runner.forward = broken
+        results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results)
+        assert not ae.is_healthy
+        with pytest.raises(EngineDeadError):
+            await ae.generate(PROMPTS[0], params)
+
+
+async def test_chunked_prefill_interleaves_with_running_streams(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=32)
+    async with AsyncEngine(engine=engine) as ae:
+        runner = ae.stream(PROMPTS[0], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+        await runner.__anext__()
+        long_prompt = list(range(10, 330))  # 320 tokens: ten prefill chunks
+        arrivals = []
+        long_task = asyncio.create_task(ae.generate(long_prompt, SamplingParams(max_tokens=1)))
+        async for chunk in runner:
+            arrivals.append(chunk)
+            if long_task.done():
+                break
+        await long_task
+        await runner.aclose()
+        # The running stream kept getting a chunk every step while the prompt was fed.
+        assert len(arrivals) >= 320 // 32
+
+
+async def test_event_loop_stays_responsive_under_full_load(default_model_source):
+    engine = Engine(EngineConfig(dtype="bfloat16", speculative=SpeculativeConfig(method="ngram")), log=False)
+    async with AsyncEngine(engine=engine) as ae:
+        lateness = []
+        stop = asyncio.Event()
+
+        async def ticker():
+            while not stop.is_set():
+                start = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lateness.append(time.perf_counter() - start - 0.005)
+
+        tick = asyncio.create_task(ticker())
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        prompts = [f"Write a sentence about the number {i}." for i in range(16)]
+        await asyncio.gather(*(ae.generate([{"role": "user", "content": p}], params) for p in prompts))
+        stop.set()
+        await tick
+    assert len(lateness) > 20
+    assert max(lateness) < 0.05
+
+
+async def test_utf8_is_never_split_across_chunks(default_model_source):
+    engine = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="ngram")), log=False)
+    async with AsyncEngine(engine=engine) as ae:
+        msgs = [{"role": "user", "content": "Repeat exactly: caf\u00e9 \u4f60\u597d\u4e16\u754c \U0001f600\U0001f680 na\u00efve \u00fcber"}]
+        chunks = [c async for c in ae.stream(msgs, SamplingParams(max_tokens=40, temperature=0))]
+    ids = [t for c in chunks for t in c.token_ids]
+    assert all("\ufffd" not in c.text for c in chunks)
+    # A character cut off by max_tokens is withheld rather than emitted as U+FFFD.
+    assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert "\u4f60\u597d" in "".join(c.text for c in chunks)
