@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens for ours")
+    ap.add_argument("--k", type=int, default=16, help="num_speculative_tokens for ours")
     ap.add_argument("--hf-lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the truncated draft (0 skips it)")
     args = ap.parse_args()

@@ -55,14 +55,22 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncEngine:
+        """Start the worker thread; when no Engine was given, the worker builds it, so that
+        model loading and every step run in one thread (on CPU, OpenMP kernels are much
+        slower in a thread other than the one that first ran them)."""
         if self._thread is not None:
             return self
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(Engine, self.config)
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="specstream-engine", daemon=True)
+        ready: asyncio.Future = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="specstream-engine", daemon=True)
         self._thread.start()
+        try:
+            await ready
+        except BaseException:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            raise
         return self
 
     async def stop(self) -> None:
@@ -188,8 +196,16 @@ class AsyncEngine:
             else:
                 self.engine.abort(cmd[1])
 
-    def _run(self) -> None:
-        engine, loop = self.engine, self._loop
+    def _run(self, ready: asyncio.Future) -> None:
+        loop = self._loop
+        try:
+            if self.engine is None:
+                self.engine = Engine(self.config)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
+            loop.call_soon_threadsafe(ready.set_exception, exc)
+            return
+        loop.call_soon_threadsafe(ready.set_result, None)
+        engine = self.engine
         try:
             while not self._stopping:
                 self._wakeup.clear()

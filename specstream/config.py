@@ -56,7 +56,7 @@ class EngineConfig:
     device: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int = 512 * 2**20

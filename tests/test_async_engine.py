@@ -249,3 +249,47 @@ async def test_utf8_is_never_split_across_chunks(default_model_source):
     # A character cut off by max_tokens is withheld rather than emitted as U+FFFD.
     assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert "\u4f60\u597d" in "".join(c.text for c in chunks)
+
+
+async def test_metrics_count_rounds_latencies_and_finishes(aengine):
+    from prometheus_client import generate_latest
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = await asyncio.gather(*(aengine.generate(p, params) for p in PROMPTS[:4]))
+    text = generate_latest(aengine.metrics.registry).decode()
+
+    def value(name, labels=""):
+        for line in text.splitlines():
+            if line.startswith(name + labels + " ") or line.startswith(name + "{" + labels.strip("{}") + "}"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name}{labels} missing")
+
+    drafted = sum(o.stats.drafted for o in outs)
+    accepted = sum(o.stats.accepted for o in outs)
+    assert value("specstream_spec_decode_num_draft_tokens_total") == drafted > 0
+    assert value("specstream_spec_decode_num_accepted_tokens_total") == accepted
+    assert value("specstream_spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') == sum(
+        o.stats.accepted_per_position[0] for o in outs if o.stats.accepted_per_position
+    )
+    assert value("specstream_generation_tokens_total") == 80
+    assert value("specstream_time_to_first_token_seconds_count") == 4
+    assert value("specstream_e2e_request_latency_seconds_count") == 4
+    assert value("specstream_inter_token_latency_seconds_count") > 0
+    assert value("specstream_request_success_total", '{finished_reason="length"}') == 4
+    assert value("specstream_num_requests_running") == 0
+    assert value("specstream_kv_cache_usage_perc") == 0.0
+
+
+async def test_engine_is_built_in_the_worker_thread_from_a_config(tiny_model_dir):
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32")
+    async with AsyncEngine(cfg) as ae:
+        out = await ae.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
+        assert len(out.token_ids) == 5 and ae.is_healthy
+
+
+async def test_a_model_that_cannot_load_fails_start():
+    from specstream import ModelError
+
+    with pytest.raises(ModelError, match="does not exist"):
+        async with AsyncEngine(EngineConfig(model="./no/such/model")):
+            pass
