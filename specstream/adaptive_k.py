@@ -88,10 +88,11 @@ class KPolicy:
         most draft tokens the step may add."""
         if not seqs or budget <= 0 or self.k_max == 0:
             return [0] * len(seqs)
+        caps = [self.k_max if s.params.num_speculative_tokens is None else min(self.k_max, s.params.num_speculative_tokens) for s in seqs]
         if not self.adaptive:
             ks, left = [], budget
-            for _ in seqs:
-                ks.append(min(self.k_max, left))
+            for cap in caps:
+                ks.append(min(cap, left))
                 left -= ks[-1]
             return ks
         alphas = [acceptance_estimate(s) for s in seqs]
@@ -102,7 +103,7 @@ class KPolicy:
         max_k = 0
         cost = self.target_cost(tokens)
         # Max-heap of each sequence's gain from one more draft.
-        heap = [(-a, i) for i, a in enumerate(alphas) if a > 0]
+        heap = [(-a, i) for i, a in enumerate(alphas) if a > 0 and caps[i] > 0]
         heapq.heapify(heap)
         while heap and budget > 0:
             neg_gain, i = heapq.heappop(heap)
@@ -116,6 +117,6 @@ class KPolicy:
             tokens += 1
             budget -= 1
             drafting, max_k, cost = new_drafting, new_max_k, new_cost
-            if ks[i] < self.k_max:
+            if ks[i] < caps[i]:
                 heapq.heappush(heap, (neg_gain * alphas[i], i))
         return ks

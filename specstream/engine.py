@@ -22,7 +22,7 @@ from specstream.kv import KVPool
 from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from specstream.errors import InvalidRequestError
 from specstream.metrics import EngineMetrics
-from specstream.outputs import RequestOutput, StreamChunk, Usage
+from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
@@ -31,6 +31,20 @@ from specstream.sequence import Sequence, SequenceStatus
 from specstream.verify import verify_round
 
 _CALIBRATION_CONTEXT = 64
+
+
+def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """Logprobs of the emitted tokens from the verification logits (row i predicts token i)."""
+    if not token_ids:
+        return []
+    logp = rows[: len(token_ids)].float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device)[:, None]).squeeze(1).tolist()
+    if top:
+        values, indices = logp.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
 
 
 def _log(msg: str) -> None:
@@ -158,9 +172,19 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                f"so at most {self.max_model_len - 1} prompt tokens leave room for output"
+                f"so at most {self.max_model_len - 1} prompt tokens leave room for output",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context is {self.max_model_len} tokens, but {len(ids) + params.max_tokens} were "
+                f"requested ({len(ids)} in the prompt, {params.max_tokens} for the completion); lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, arrival=-1)
+        seq.max_tokens = params.max_tokens or self.max_model_len - len(ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return seq
 
@@ -225,9 +249,12 @@ class Engine:
         rounds = [(s, d, r) for s, d, r in zip(plan.decodes, drafts, rows)]
         rounds += [(s, Draft([]), r) for s, r in zip(completing, rows[len(drafts) :])]
         outputs = []
-        for (seq, draft, _), (accepted, tokens) in zip(rounds, verify_round(rounds)):
+        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verify_round(rounds)):
             try:
-                outputs.append(self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes))
+                chunk = self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes)
+                if seq.params.logprobs is not None:
+                    chunk.logprobs = token_logprobs(rows, chunk.token_ids, seq.params.logprobs)
+                outputs.append(chunk)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 outputs.append(self._fail(seq, exc))
         self._update_gauges()
@@ -260,7 +287,7 @@ class Engine:
                 seq.finish_reason = "stop"
             elif seq.detokenizer.add(tok):
                 seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break

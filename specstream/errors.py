@@ -8,7 +8,13 @@ class SpecstreamError(Exception):
 
 
 class InvalidRequestError(SpecstreamError, ValueError):
-    """The request itself is wrong (bad prompt, bad parameters, too long for the context)."""
+    """The request itself is wrong (bad prompt, bad parameters, too long for the context).
+    param names the offending field and code a machine-readable reason, when known."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class QueueFull(SpecstreamError):

@@ -17,6 +17,16 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p of an emitted token under the target model's raw distribution (before
+    penalties, temperature, top-k and top-p), with the most likely alternatives there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class StreamChunk:
     """The tokens one sequence gained in one round (several when drafts were accepted), with
@@ -32,6 +42,7 @@ class StreamChunk:
     usage: Usage | None = None
     error: str | None = None
     prompt_token_ids: list[int] | None = None  # on a request's first chunk only
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
     @property
     def finished(self) -> bool:

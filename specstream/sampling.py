@@ -24,7 +24,7 @@ GREEDY_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the model's context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -35,6 +35,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
+    num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,8 +45,12 @@ class SamplingParams:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a finite number")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be a positive integer")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InvalidRequestError("max_tokens must be a positive integer", param="max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs must be between 0 and 20", param="logprobs")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise InvalidRequestError("num_speculative_tokens must be >= 0", param="num_speculative_tokens")
         if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -54,6 +54,7 @@ class Sequence:
         self.num_cached = 0  # positions whose KV is in the target pool
         self.finish_reason: str | None = None
         self.stats = SpecStats()
+        self.max_tokens = params.max_tokens  # resolved against the context by the engine
         self.detokenizer = None  # IncrementalDetokenizer, set by the engine
         # Acceptance history for the adaptive k policy (exponentially decayed counts).
         self.accept_mass = 0.0

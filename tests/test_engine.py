@@ -181,3 +181,41 @@ def test_default_model_ngram_greedy_equals_plain_batched():
     assert [o.token_ids for o in got] == want
     assert "Paris" in got[1].text
     assert sum(o.stats.accepted for o in got) > 0
+
+
+def test_logprobs_match_the_reference_model_with_and_without_speculation(tiny_model_dir, plain):
+    from specstream.models import load_model, resolve_model
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompt = PROMPTS[0]
+    ids = plain.encode_prompt(prompt)
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    chunks = []
+    spec.add_request(prompt, params, request_id="lp")
+    while spec.has_unfinished():
+        chunks += [c for c in spec.step() if c.request_id == "lp"]
+    lps = [lp for c in chunks for lp in c.logprobs]
+    out = [t for c in chunks for t in c.token_ids]
+    ref = load_model(resolve_model(str(tiny_model_dir)))
+    with torch.inference_mode():
+        logp = ref(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+    assert [lp.token_id for lp in lps] == out
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]), logp.gather(1, torch.tensor(out)[:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+    assert all(len(lp.top) == 3 and lp.top[0][0] == t for lp, t in zip(lps, out))  # greedy: top-1 is the token
+
+
+def test_per_request_speculation_cap(tiny_model_dir):
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    off = spec.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=0))[0]
+    two = spec.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=2))[0]
+    assert off.stats.drafted == 0
+    assert 0 < two.stats.drafted and len(two.stats.drafted_per_position) <= 2
+    assert off.token_ids == two.token_ids
+
+
+def test_max_tokens_beyond_context_is_refused_and_none_means_up_to_context(tiny_model_dir):
+    e = engine(tiny_model_dir, max_model_len=40)
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        e.add_request([1, 2, 3], SamplingParams(max_tokens=38))
+    out = e.generate([1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 37 and out.finish_reason == "length"
