@@ -1,55 +1,96 @@
-"""The `specstream` command line."""
+"""The `specstream` command line: `serve` runs the OpenAI-compatible server.
+
+Every flag has an environment variable (SPECSTREAM_<FLAG>, e.g. SPECSTREAM_PORT); flags win.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-import time
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"SPECSTREAM_{name.upper().replace('-', '_')}", default)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API (default: the bundled smollm2-135m)")
+    a = p.add_argument
+    a("--model", default=_env("model", "smollm2-135m"), help="bundled alias, HF directory, .gguf path or hub id")
+    a("--served-model-name", default=_env("served_model_name"), help="the name clients send as 'model' (default: --model)")
+    a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
+    a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
+    a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
+    a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
+    a("--device", default=_env("device", "auto"))
+    a("--host", default=_env("host", "127.0.0.1"))
+    a("--port", type=int, default=int(_env("port", "8000")))
+    a("--api-key", action="append", default=None, help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)")
+    a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
+    a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", "512")))
+    a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
+    a("--kv-cache-tokens", type=int, default=int(_env("kv_cache_tokens", "0")) or None)
+    a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
+    a("--max-n", type=int, default=int(_env("max_n", "8")))
+    a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
+    a("--log-level", default=_env("log_level", "info"))
+    p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import torch
+    import uvicorn
 
-    import specstream
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+    from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
-    start = time.perf_counter()
-    print(f"[specstream] loading model '{args.model}'", file=sys.stderr, flush=True)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = args.api_key or [k for k in (_env("api_keys") or "").split(",") if k]
     try:
-        source = specstream.resolve_model(args.model)
-        tokenizer = specstream.load_tokenizer(source)
-        model = specstream.load_model(source, dtype=getattr(torch, args.dtype))
-    except specstream.ModelError as exc:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_tokens=args.kv_cache_tokens,
+            speculative=SpeculativeConfig(
+                method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                draft_model=args.draft_model,
+            ),
+        )
+        settings = GatewaySettings(
+            served_model_name=args.served_model_name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes, max_n=args.max_n
+        )
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"[specstream] model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    # A short greedy self-check proves the weights and chat template work end to end.
-    enc = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hello in one short sentence."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
+    from specstream import ModelError, resolve_model
+
+    try:
+        # Fail fast on a bad name (and convert the bundled model) before the server starts.
+        resolve_model(args.model)
+        if args.draft_model:
+            resolve_model(args.draft_model)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("specstream.gateway").info(
+        "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=24, do_sample=False)
-    reply = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    print(f"[specstream] self-check reply: {reply.strip()!r}", file=sys.stderr, flush=True)
-    print(
-        f"[specstream] the HTTP gateway ({args.host}:{args.port}) is not part of this build yet; exiting",
-        file=sys.stderr,
-    )
+    app = create_app(AsyncEngine(config, max_waiting=args.max_waiting), settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="load a model and serve it")
-    serve.add_argument("--model", default=os.environ.get("SPECSTREAM_MODEL", "smollm2-135m"))
-    serve.add_argument("--dtype", default=os.environ.get("SPECSTREAM_DTYPE", "bfloat16"), choices=["bfloat16", "float16", "float32"])
-    serve.add_argument("--host", default=os.environ.get("SPECSTREAM_HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(os.environ.get("SPECSTREAM_PORT", "8000")))
-    serve.set_defaults(func=_serve)
+    _add_serve(sub)
     return parser
 
 

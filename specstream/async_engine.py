@@ -51,6 +51,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._running = False  # the worker has an engine and is taking requests
         self._dead: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -80,6 +81,7 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self._running = False
         self._fail_all(EngineDeadError("the engine was stopped"))
 
     async def __aenter__(self) -> AsyncEngine:
@@ -90,7 +92,8 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The model is loaded and the worker takes requests."""
+        return self._running and self._thread is not None and self._thread.is_alive()
 
     @property
     def is_healthy(self) -> bool:
@@ -204,6 +207,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             loop.call_soon_threadsafe(ready.set_exception, exc)
             return
+        self._running = True
         loop.call_soon_threadsafe(ready.set_result, None)
         engine = self.engine
         try:

@@ -103,7 +103,12 @@ class Engine:
         if self.config.kv_cache_tokens is not None:
             return self.config.kv_cache_tokens
         per_token = KVPool.bytes_per_token(*model_geometry(model.config), dtype)
-        return max(self.config.kv_cache_bytes // per_token, self.config.kv_block_size)
+        tokens = self.config.kv_cache_bytes // per_token
+        # No point holding more than every sequence at full context.
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if limit:
+            tokens = min(tokens, limit * self.config.max_num_seqs)
+        return max(tokens, self.config.kv_block_size)
 
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative
