@@ -1,1 +1,45 @@
-"""clients: an httpx SDK for OpenAI-style servers. Speaks HTTP only; imports neither specstream nor gateway."""
+"""clients: a small typed httpx SDK for OpenAI-style servers (specstream's or any other).
+
+Speaks HTTP only; imports neither specstream nor gateway.
+
+    from clients import Client
+    with Client("http://127.0.0.1:8000/v1") as c:
+        for text in c.chat.completions.stream_text(model="smollm2-135m", messages=[...]):
+            print(text, end="")
+"""
+
+from clients._client import AsyncClient, AsyncStream, Client, Stream
+from clients._exceptions import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    InternalServerError,
+    NotFoundError,
+    RateLimitError,
+)
+from clients.types import ChatCompletion, ChatCompletionChunk, Completion, Model, SpeculativeStats, Usage
+
+__all__ = [
+    "APIConnectionError",
+    "APIError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
+    "AuthenticationError",
+    "BadRequestError",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "Client",
+    "Completion",
+    "InternalServerError",
+    "Model",
+    "NotFoundError",
+    "RateLimitError",
+    "SpeculativeStats",
+    "Stream",
+    "Usage",
+]

@@ -87,10 +87,30 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal with a running server (ours or any OpenAI-compatible one)")
+    p.add_argument("--url", default=_env("url", "http://127.0.0.1:8000/v1"), help="the server's /v1 base URL")
+    p.add_argument("--api-key", default=_env("api_key"))
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=None)
+    p.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from clients import Client
+    from clients.chat_repl import run_chat
+
+    with Client(args.url, args.api_key, max_retries=2) as client:
+        return run_chat(client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_chat(sub)
     return parser
 
 
