@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
+import pathlib
 import subprocess
 import sys
 import time
@@ -20,14 +20,11 @@ import time
 import httpx
 import torch
 
-from clients.bench_prompts import GROUNDED, OPEN_CHAT
-from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _servers import free_port, wait_up  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clients.bench_prompts import GROUNDED, OPEN_CHAT  # noqa: E402
+from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
 
 
 async def http_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
@@ -73,13 +70,7 @@ async def main_async(args) -> None:
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.2)
+            await asyncio.to_thread(wait_up, f"http://127.0.0.1:{port}", server)
             cfg = EngineConfig(dtype="bfloat16", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=args.k))
             async with AsyncEngine(cfg) as engine:
                 prompts = (GROUNDED[:3] + OPEN_CHAT[:3]) * 2 if not args.quick else GROUNDED[:1] + OPEN_CHAT[:1]

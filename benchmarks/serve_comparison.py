@@ -17,36 +17,17 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import free_port, wait_up  # noqa: E402
+
 from clients.bench import bench, plot, print_table, write_json
 from specstream.models import resolve_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see its log")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def run_server(cmd: list[str], url: str, label: str, model: str, args, env: dict, log: Path) -> dict:
@@ -56,7 +37,8 @@ def run_server(cmd: list[str], url: str, label: str, model: str, args, env: dict
         try:
             wait_up(url, proc)
             # Warm-up (a peer may load the model on its first request).
-            httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=600)
+            warm = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=600)
+            warm.raise_for_status()
             return asyncio.run(
                 bench(f"{url}/v1", model=model, concurrency=args.concurrency, num_requests=args.num_requests, max_tokens=args.max_tokens, label=label)
             )
@@ -102,7 +84,7 @@ def main() -> None:
         print('transformers serve needs the serving extra: pip install "transformers[serving]"', file=sys.stderr)
     else:
         port = free_port()
-        peer = [hf_cli, "serve", "--port", str(port), "--continuous-batching", "--dtype", "bfloat16", "--log-level", "warning"]
+        peer = [hf_cli, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--continuous-batching", "--dtype", "bfloat16", "--log-level", "warning"]
         reports.append(run_server(peer, f"http://127.0.0.1:{port}", "transformers serve", model_dir, args, env, out / "transformers.log"))
 
     write_json(reports, out / "results.json")
@@ -116,12 +98,12 @@ def main() -> None:
         top = max(args.concurrency)
         for name in ("grounded", "chat"):
             a, b = find(ours_r, name, top), find(peer_r, name, top)
-            if a and b:
+            if a and b and a["throughput_tok_s"] and b["throughput_tok_s"]:
                 ratio = a["throughput_tok_s"] / b["throughput_tok_s"]
                 print(f"- {name} c={top}: throughput {ratio:.2f}x the peer's (goal >= 1.5x: {'met' if ratio >= 1.5 else 'NOT met'}); "
                       f"p99 TTFT {a['ttft_ms'][99]} vs {b['ttft_ms'][99]} ms ({'lower' if a['ttft_ms'][99] < b['ttft_ms'][99] else 'NOT lower'})")
         a, b = find(ours_r, "grounded", 1), find(peer_r, "grounded", 1)
-        if a and b:
+        if a and b and a["throughput_tok_s"] and b["throughput_tok_s"]:
             ratio = a["throughput_tok_s"] / b["throughput_tok_s"]
             print(f"- grounded c=1: {ratio:.2f}x the peer's tokens/s (goal >= 2x: {'met' if ratio >= 2 else 'NOT met'})")
 

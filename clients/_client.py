@@ -16,6 +16,32 @@ from clients._sse import DONE, aiter_payloads, decode_payload, iter_payloads
 from clients.types import ChatCompletion, ChatCompletionChunk, Completion, Model
 
 
+class StreamEnd:
+    """Tells a finished stream from a dropped one when the body ends: "data: [DONE]" is the
+    OpenAI convention, but some servers close right after the last choice's finish_reason
+    (or the usage chunk), which counts as complete too."""
+
+    def __init__(self) -> None:
+        self.open: set[int] = set()
+        self.finished = False
+
+    def see(self, payload: dict) -> None:
+        for choice in payload.get("choices") or []:
+            index = choice.get("index", 0)
+            if choice.get("finish_reason"):
+                self.open.discard(index)
+                self.finished = True
+            else:
+                self.open.add(index)
+        if payload.get("usage") and not payload.get("choices"):
+            self.open.clear()
+            self.finished = True
+
+    def check(self) -> None:
+        if not self.finished or self.open:
+            raise APIConnectionError("the stream ended before [DONE] with choices unfinished")
+
+
 def _chat_params(model, messages, kw) -> dict:
     return {"model": model, "messages": messages, **kw}
 
@@ -109,13 +135,15 @@ class Client(BaseClient):
 
     def _events(self, path: str, body: dict, timeout=None) -> Iterator[dict]:
         response = self._send("POST", path, body, timeout, stream=True)
+        ended = StreamEnd()
         try:
             for event in iter_payloads(response.iter_lines()):
                 payload = decode_payload(event)
                 if payload is DONE:
                     return
+                ended.see(payload)
                 yield payload
-            raise APIConnectionError("the stream ended before [DONE]")
+            ended.check()
         except httpx.TransportError as exc:
             raise self.transport_error(exc) from exc
         finally:
@@ -217,13 +245,15 @@ class AsyncClient(BaseClient):
 
     async def _events(self, path: str, body: dict, timeout=None) -> AsyncIterator[dict]:
         response = await self._send("POST", path, body, timeout, stream=True)
+        ended = StreamEnd()
         try:
             async for event in aiter_payloads(response.aiter_lines()):
                 payload = decode_payload(event)
                 if payload is DONE:
                     return
+                ended.see(payload)
                 yield payload
-            raise APIConnectionError("the stream ended before [DONE]")
+            ended.check()
         except httpx.TransportError as exc:
             raise self.transport_error(exc) from exc
         finally:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specstream import fast_llama
 from specstream.attention import StepContext, step_context
+from specstream.fast_llama import FastLlama
 from specstream.kv import KVPool
 
 
@@ -24,45 +26,62 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool) -> None:
+    def __init__(self, model, pool: KVPool, fast: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        # Llama-architecture models take the lean forward; others run transformers' modules.
+        self.fast = FastLlama(model) if fast and fast_llama.supports(model) else None
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run the model; return float32 logits [sum(num_logits), vocab] in item order."""
         pool = self.pool
+        dev = self.device
         input_ids: list[int] = []
-        positions, slot_maps, kv_slots, tok_seq, kv_seq, keep = [], [], [], [], [], []
+        positions, slot_maps, kv_slots, keep, q_rows = [], [], [], [], []
         offset = 0
-        for i, item in enumerate(items):
+        for item in items:
             n, end = len(item.tokens), item.start + len(item.tokens)
             input_ids.extend(item.tokens)
             positions.append(torch.arange(item.start, end))
             all_slots = pool.slots(item.table, 0, end)
             slot_maps.append(all_slots[item.start :])
             kv_slots.append(all_slots)
-            tok_seq.append(torch.full((n,), i))
-            kv_seq.append(torch.full((end,), i))
+            q_rows.append(torch.arange(offset, offset + n))
             if item.num_logits:
                 keep.append(torch.arange(offset + n - item.num_logits, offset + n))
             offset += n
         pos = torch.cat(positions)
-        kv_pos = torch.cat([torch.arange(len(s)) for s in kv_slots])
-        dev = self.device
-        if len(input_ids) == 1:
+        batch = len(items)
+        lengths = torch.tensor([len(r) for r in q_rows])
+        starts = torch.tensor([item.start for item in items])
+        t_max, s_max = int(lengths.max()), max(len(s) for s in kv_slots)
+        kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+        q_index = torch.zeros((batch, t_max), dtype=torch.long)
+        for i, (slots, rows) in enumerate(zip(kv_slots, q_rows)):
+            kv_index[i, : len(slots)] = slots
+            q_index[i, : len(rows)] = rows
+        out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
+        if batch == 1 and t_max == 1:
             mask = None  # one query sees every key: no mask lets attention take its fast path
         else:
-            mask = (torch.cat(tok_seq)[:, None] == torch.cat(kv_seq)[None, :]) & (kv_pos[None, :] <= pos[:, None])
-            mask = mask[None, None].to(dev)
+            # Causal within each sequence: key s is visible to the query at position p when
+            # s <= p. Padding keys lie past every real query of their row; padding query rows
+            # (output dropped) still see key 0, so no row is empty and none yields NaN.
+            q_pos = starts[:, None] + torch.arange(t_max)[None, :]
+            mask = (torch.arange(s_max)[None, None, :] <= q_pos[:, :, None])[:, None].to(dev)
         ctx = StepContext(
             pool=pool,
             slot_mapping=torch.cat(slot_maps).to(dev),
-            kv_index=torch.cat(kv_slots).to(dev),
+            kv_index=kv_index.to(dev),
+            q_index=q_index.to(dev),
+            out_index=out_index.to(dev),
             mask=mask,
         )
         keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
+        if self.fast is not None:
+            return self.fast(torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx)
         with step_context(ctx):
             out = self.model(
                 input_ids=torch.tensor([input_ids], device=dev),

@@ -111,10 +111,13 @@ def test_dropped_connection_mid_stream_raises_and_is_not_retried():
     assert len(got) == 2 and len(calls) == 1
 
 
-def test_stream_ending_without_done_raises():
+def test_stream_ending_without_done_raises_unless_every_choice_finished():
     c = make_client(lambda r: httpx.Response(200, stream=RecordingStream([chunk("a")])))
     with pytest.raises(clients.APIConnectionError, match="DONE"):
         list(c.chat.completions.create(model="m", messages=CHAT, stream=True))
+    # Some servers close right after the final finish_reason without [DONE]: complete.
+    c = make_client(lambda r: httpx.Response(200, stream=RecordingStream([chunk("a"), chunk(finish="stop")])))
+    assert len(list(c.chat.completions.create(model="m", messages=CHAT, stream=True))) == 2
 
 
 def test_early_close_closes_the_response():

@@ -1,5 +1,6 @@
 """Packed forward: ragged batches through the KV pool reproduce the reference model."""
 
+import pytest
 import torch
 
 from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
@@ -8,12 +9,14 @@ from specstream.models import load_model, resolve_model
 from specstream.runner import ForwardItem, ModelRunner
 
 
-def setup(model_dir, tokens=512):
+def setup(model_dir, tokens=512, fast=True):
     source = resolve_model(str(model_dir))
     ref = load_model(source)
     model = load_model(source, attn_implementation=ATTN_IMPLEMENTATION)
     pool = KVPool(*model_geometry(model.config), tokens, 8, torch.float32, "cpu")
-    return ref, ModelRunner(model, pool), pool
+    runner = ModelRunner(model, pool, fast=fast)
+    assert (runner.fast is not None) == fast
+    return ref, runner, pool
 
 
 def reference_logits(ref, ids):
@@ -21,8 +24,9 @@ def reference_logits(ref, ids):
         return ref(torch.tensor([ids])).logits[0]
 
 
-def test_ragged_chunks_match_reference(tiny_model_dir):
-    ref, runner, pool = setup(tiny_model_dir)
+@pytest.mark.parametrize("fast", [True, False], ids=["lean-llama", "transformers-modules"])
+def test_ragged_chunks_match_reference(tiny_model_dir, fast):
+    ref, runner, pool = setup(tiny_model_dir, fast=fast)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (29, 3, 50)]
     cuts = [11, 1, 40]
@@ -70,3 +74,17 @@ def test_model_geometry_reads_llama_config(tiny_model_dir):
     from transformers import AutoConfig
 
     assert model_geometry(AutoConfig.from_pretrained(tiny_model_dir)) == (2, 2, 16)
+
+
+def test_default_model_takes_the_lean_forward_and_matches_transformers(default_model_source):
+    ref = load_model(default_model_source)
+    model = load_model(default_model_source, attn_implementation=ATTN_IMPLEMENTATION)
+    pool = KVPool(*model_geometry(model.config), 256, 16, torch.float32, "cpu")
+    runner = ModelRunner(model, pool)
+    assert runner.fast is not None
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 1789, 30, 378, 3458, 282]
+    table = []
+    pool.reserve(table, len(ids))
+    runner.forward([ForwardItem(table, 0, ids[:7], 0)])
+    out = runner.forward([ForwardItem(table, 7, ids[7:], 5)])
+    torch.testing.assert_close(out, reference_logits(ref, ids)[7:], atol=2e-4, rtol=2e-4)

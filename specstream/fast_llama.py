@@ -1,0 +1,106 @@
+"""A lean forward for Llama-architecture decoders (Llama, SmolLM2, ... with plain RoPE).
+
+Same weights and the same math as transformers' LlamaModel, without its per-module Python
+machinery, and with q/k/v and gate/up each fused into one matmul (the fused weights are
+views shared with the model's own parameters, so memory is not duplicated). On CPU the
+step of a small model is dominated by this overhead, so the packed forward takes it when the
+model qualifies and falls back to the transformers modules (through the registered
+attention function) otherwise. Depends on the layout of transformers' Llama modules; this
+file and attention.py are the only ones that do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specstream.attention import StepContext, attend
+
+
+def supports(model) -> bool:
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return (
+        getattr(cfg, "model_type", None) == "llama"
+        and rope.get("rope_type", "default") == "default"
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+        and not getattr(cfg, "attention_bias", False)
+        and not getattr(cfg, "mlp_bias", False)
+        and getattr(cfg, "pretraining_tp", 1) == 1
+    )
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several projections; each module's weight becomes a view of it."""
+    fused = torch.cat([lin.weight.data for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+class FastLlama:
+    def __init__(self, model) -> None:
+        cfg = model.config
+        base = model.model
+        self.embed = base.embed_tokens.weight
+        self.norm = base.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.eps = cfg.rms_norm_eps
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.inv_freq = base.rotary_emb.inv_freq.float()
+        self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    _fuse([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj.weight,
+                )
+            )
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.inter = self.layers[0][4].shape[0] // 2 if self.layers else 0
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext, keep: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; returns float32 logits for the rows in keep."""
+        x = F.embedding(input_ids, self.embed)
+        dtype = x.dtype
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, d]
+        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
+        t = input_ids.shape[0]
+        for i, (w_in, w_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(self.layers):
+            h = self._rms(x, w_in)
+            q, k, v = F.linear(h, w_qkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = self._rotate(q.view(t, self.heads, self.head_dim), cos, sin)
+            k = self._rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v.view(t, self.kv_heads, self.head_dim), self.scaling)
+            x = x + F.linear(out[0].transpose(0, 1).reshape(t, self.q_size), w_o)
+            gate, up = F.linear(self._rms(x, w_post), w_gate_up).split((self.inter, self.inter), dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        x = self._rms(x[keep], self.norm)
+        return F.linear(x, self.lm_head).float()
