@@ -53,9 +53,6 @@ class KVPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_fit(self, table: list[int], num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(table) <= len(self._free)
-
     def reserve(self, table: list[int], num_tokens: int) -> bool:
         """Grow table to hold num_tokens; all or nothing."""
         need = self.blocks_for(num_tokens) - len(table)

@@ -26,8 +26,6 @@ class Draft:
 
 
 class Proposer:
-    deterministic = True
-
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
 
@@ -74,8 +72,6 @@ class NgramProposer(Proposer):
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's vocabulary, run batched: one packed pass per
     draft position over all drafting sequences, with its own KV pool and rollback."""
-
-    deterministic = False
 
     def __init__(self, model, pool: KVPool, cost=None) -> None:
         self.runner = ModelRunner(model, pool)
