@@ -5,9 +5,12 @@ COPY pyproject.toml Makefile README.md ./
 COPY specstream specstream
 COPY gateway gateway
 COPY clients clients
-# CPU torch by default; build with --build-arg TORCH_SPEC=torch for another build.
+# CPU torch by default (PyTorch's CPU wheel index: a few hundred MB instead of the CUDA
+# build). For a GPU image: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG TORCH_SPEC="torch==2.13.0"
-RUN make setup TORCH_SPEC="$TORCH_SPEC" SETUP_NGINX=0
+ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
+RUN python -m venv .venv && .venv/bin/pip install --no-cache-dir "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+RUN make setup SETUP_NGINX=0
 ENV SPECSTREAM_CACHE_DIR=/cache SPECSTREAM_HOST=0.0.0.0
 VOLUME /cache
 EXPOSE 8000
