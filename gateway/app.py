@@ -26,6 +26,7 @@ from starlette.routing import Route
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.settings import GatewaySettings
+from gateway.tokens import TokenBytes
 from specstream import (
     AsyncEngine,
     EngineDeadError,
@@ -118,10 +119,10 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
                 raise APIError(413, f"request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
         try:
             return json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            if isinstance(exc, APIError):
-                raise
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except APIError:
+            raise
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}"[:300]) from None
 
     def check_ready() -> None:
         if not engine.is_ready:
@@ -143,14 +144,48 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         if max_tokens is not None and max_tokens >= limit:
             raise APIError(400, f"max_tokens must be below this model's context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
 
+    def sampling(req, **kw) -> SamplingParams:
+        try:
+            return req.sampling_params(engine_method=engine_method(), **kw)
+        except InvalidRequestError as exc:
+            raise _map_engine_error(exc, settings) from None
+
     async def open_choices(prompts_params: list[tuple[object, SamplingParams]], request_id: str) -> list[_Choice]:
         choices = [_Choice(i, engine.stream(p, sp, request_id=f"{request_id}-{i}")) for i, (p, sp) in enumerate(prompts_params)]
-        results = await asyncio.gather(*(c.prime() for c in choices), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(c.prime() for c in choices), return_exceptions=True)
+        except BaseException:
+            await close_all(choices)
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await asyncio.gather(*(c.close() for c in choices), return_exceptions=True)
+            await close_all(choices)
             raise _map_engine_error(errors[0], settings)
         return choices
+
+    async def close_all(choices: list[_Choice]) -> None:
+        await asyncio.gather(*(c.close() for c in choices), return_exceptions=True)
+
+    async def until_disconnected(request: Request, work) -> Response:
+        """Run work (a coroutine returning the response), cancelling it when the client
+        goes away first; cancelling aborts its engine streams."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return Response(status_code=499)  # nobody is listening any more
 
     async def merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, StreamChunk | BaseException]]:
         """Chunks of every choice as they arrive; closing this closes every stream."""
@@ -178,15 +213,20 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*(c.close() for c in choices), return_exceptions=True)
+            await close_all(choices)
 
     def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
+    token_bytes: list[TokenBytes] = []  # built on first use, once the tokenizer is loaded
+
     def chat_logprobs(chunk: StreamChunk, tokenizer) -> list[dict]:
+        if not token_bytes:
+            token_bytes.append(TokenBytes(tokenizer))
+
         def entry(token_id: int, logprob: float) -> dict:
-            text = tokenizer.decode([token_id])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            text, raw = token_bytes[0](token_id)
+            return {"token": text, "logprob": logprob, "bytes": raw}
 
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in chunk.logprobs or []]
 
@@ -208,9 +248,12 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         check_max_tokens(max_tokens)
         messages = req.chat_messages()
         params = [
-            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count, seed_offset=i, engine_method=engine_method())
+            sampling(req, max_tokens=max_tokens, logprobs=req.logprobs_count, seed_offset=i)
             for i in range(req.n)
         ]
+        return await until_disconnected(request, respond_chat(req, messages, params))
+
+    async def respond_chat(req: ChatCompletionRequest, messages: list[dict], params: list[SamplingParams]) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = await open_choices([(messages, p) for p in params], request_id)
         created = int(time.time())
@@ -227,16 +270,17 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         lps = [[] for _ in choices]
         finish = [None] * len(choices)
         prompt_tokens = completion_tokens = 0
-        async for index, item in merged(choices):
-            if isinstance(item, BaseException):
-                raise _map_engine_error(item, settings)
-            texts[index].append(item.text)
-            if req.logprobs:
-                lps[index] += chat_logprobs(item, tokenizer)
-            if item.finished:
-                finish[index] = item.finish_reason
-                prompt_tokens = item.usage.prompt_tokens
-                completion_tokens += item.usage.completion_tokens
+        async with contextlib.aclosing(merged(choices)) as chunks:
+            async for index, item in chunks:
+                if isinstance(item, BaseException):
+                    raise _map_engine_error(item, settings)
+                texts[index].append(item.text)
+                if req.logprobs:
+                    lps[index] += chat_logprobs(item, tokenizer)
+                if item.finished:
+                    finish[index] = item.finish_reason
+                    prompt_tokens = item.usage.prompt_tokens
+                    completion_tokens += item.usage.completion_tokens
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -256,47 +300,51 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         return JSONResponse(body)
 
     async def chat_events(choices, request_id, created, model, include_usage, want_logprobs, tokenizer):
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        try:
+            base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
-        def event(choice_list: list, usage: dict | None = None) -> dict:
-            payload = {**base, "choices": choice_list}
+            def event(choice_list: list, usage: dict | None = None) -> dict:
+                payload = {**base, "choices": choice_list}
+                if include_usage:
+                    payload["usage"] = usage
+                return {"data": json.dumps(payload, ensure_ascii=False)}
+
+            prompt_tokens = completion_tokens = 0
+            stats = {c.index: {} for c in choices}
+            for c in choices:
+                yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            async with contextlib.aclosing(merged(choices)) as chunks:
+                async for index, item in chunks:
+                    if isinstance(item, BaseException):
+                        err = _map_engine_error(item, settings)
+                        yield {"data": json.dumps(err.body())}
+                        return
+                    add_stats(stats[index], item)
+                    if item.text or item.logprobs:
+                        yield event(
+                            [
+                                {
+                                    "index": index,
+                                    "delta": {"content": item.text},
+                                    "logprobs": {"content": chat_logprobs(item, tokenizer), "refusal": None} if want_logprobs else None,
+                                    "finish_reason": None,
+                                    "speculative": stats[index],
+                                }
+                            ]
+                        )
+                        stats[index] = {}
+                    if item.finished:
+                        prompt_tokens = item.usage.prompt_tokens
+                        completion_tokens += item.usage.completion_tokens
+                        final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}
+                        if stats[index]:
+                            final["speculative"] = stats[index]
+                        yield event([final])
             if include_usage:
-                payload["usage"] = usage
-            return {"data": json.dumps(payload, ensure_ascii=False)}
-
-        prompt_tokens = completion_tokens = 0
-        stats = {c.index: {} for c in choices}
-        for c in choices:
-            yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        async for index, item in merged(choices):
-            if isinstance(item, BaseException):
-                err = _map_engine_error(item, settings)
-                yield {"data": json.dumps(err.body())}
-                return
-            add_stats(stats[index], item)
-            if item.text or item.logprobs:
-                yield event(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": item.text},
-                            "logprobs": {"content": chat_logprobs(item, tokenizer), "refusal": None} if want_logprobs else None,
-                            "finish_reason": None,
-                            "speculative": stats[index],
-                        }
-                    ]
-                )
-                stats[index] = {}
-            if item.finished:
-                prompt_tokens = item.usage.prompt_tokens
-                completion_tokens += item.usage.completion_tokens
-                final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}
-                if stats[index]:
-                    final["speculative"] = stats[index]
-                yield event([final])
-        if include_usage:
-            yield event([], usage_dict(prompt_tokens, completion_tokens))
-        yield {"data": "[DONE]"}
+                yield event([], usage_dict(prompt_tokens, completion_tokens))
+            yield {"data": "[DONE]"}
+        finally:
+            await close_all(choices)
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -305,17 +353,19 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         check_ready()
         check_max_tokens(req.max_tokens)
         prompts = req.prompts()
-        jobs = []
-        for prompt in prompts:
-            for j in range(req.n):
-                jobs.append((prompt, req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs, seed_offset=j, engine_method=engine_method())))
+        if len(prompts) * req.n > settings.max_n:
+            raise APIError(400, f"at most {settings.max_n} completions per request (prompts x n)", param="prompt")
+        jobs = [(prompt, sampling(req, max_tokens=req.max_tokens, logprobs=req.logprobs, seed_offset=j)) for prompt in prompts for j in range(req.n)]
+        return await until_disconnected(request, respond_completion(req, jobs))
+
+    async def respond_completion(req: CompletionRequest, jobs: list) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         choices = await open_choices(jobs, request_id)
         created = int(time.time())
-        model = model_name()
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": model_name()}
         tokenizer = engine.engine.tokenizer
-
         offsets = [0] * len(choices)  # per choice: characters of completion text so far
+        prompt_tokens: dict[int, int] = {}
 
         def logprobs_block(index: int, chunk: StreamChunk) -> dict | None:
             """The completions API's logprobs for one chunk; text_offset counts from the
@@ -335,66 +385,73 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
                 "text_offset": starts,
             }
 
+        def finished(index: int, chunk: StreamChunk) -> int:
+            prompt_tokens[index // req.n] = chunk.usage.prompt_tokens
+            return chunk.usage.completion_tokens
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             async def events():
-                base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-                prompt_tokens = {}
                 completion_tokens = 0
-                async for index, item in merged(choices):
-                    if isinstance(item, BaseException):
-                        yield {"data": json.dumps(_map_engine_error(item, settings).body())}
-                        return
-                    stats = add_stats({}, item)
-                    choice = {"index": index, "text": item.text, "logprobs": logprobs_block(index, item), "finish_reason": item.finish_reason, "speculative": stats}
-                    payload = {**base, "choices": [choice]}
+                try:
+                    async with contextlib.aclosing(merged(choices)) as chunks:
+                        async for index, item in chunks:
+                            if isinstance(item, BaseException):
+                                yield {"data": json.dumps(_map_engine_error(item, settings).body())}
+                                return
+                            choice = {
+                                "index": index,
+                                "text": item.text,
+                                "logprobs": logprobs_block(index, item),
+                                "finish_reason": item.finish_reason,
+                                "speculative": add_stats({}, item),
+                            }
+                            payload = {**base, "choices": [choice]}
+                            if include_usage:
+                                payload["usage"] = None
+                            yield {"data": json.dumps(payload, ensure_ascii=False)}
+                            if item.finished:
+                                completion_tokens += finished(index, item)
                     if include_usage:
-                        payload["usage"] = None
-                    yield {"data": json.dumps(payload, ensure_ascii=False)}
-                    if item.finished:
-                        prompt_tokens[index // req.n] = item.usage.prompt_tokens
-                        completion_tokens += item.usage.completion_tokens
-                if include_usage:
-                    p = sum(prompt_tokens.values())
-                    yield {"data": json.dumps({**base, "choices": [], "usage": usage_dict(p, completion_tokens)})}
-                yield {"data": "[DONE]"}
+                        usage = usage_dict(sum(prompt_tokens.values()), completion_tokens)
+                        yield {"data": json.dumps({**base, "choices": [], "usage": usage})}
+                    yield {"data": "[DONE]"}
+                finally:
+                    await close_all(choices)
 
             return EventSourceResponse(events(), ping=15, send_timeout=30)
 
         texts = [[] for _ in choices]
         blocks: list[list[dict]] = [[] for _ in choices]
         finish = [None] * len(choices)
-        prompt_tokens = {}
         completion_tokens = 0
-        async for index, item in merged(choices):
-            if isinstance(item, BaseException):
-                raise _map_engine_error(item, settings)
-            texts[index].append(item.text)
-            if req.logprobs is not None:
-                blocks[index].append(logprobs_block(index, item))
-            if item.finished:
-                finish[index] = item.finish_reason
-                prompt_tokens[index // req.n] = item.usage.prompt_tokens
-                completion_tokens += item.usage.completion_tokens
+        async with contextlib.aclosing(merged(choices)) as chunks:
+            async for index, item in chunks:
+                if isinstance(item, BaseException):
+                    raise _map_engine_error(item, settings)
+                texts[index].append(item.text)
+                if req.logprobs is not None:
+                    blocks[index].append(logprobs_block(index, item))
+                if item.finished:
+                    finish[index] = item.finish_reason
+                    completion_tokens += finished(index, item)
 
         def joined(parts: list[dict]) -> dict | None:
             if req.logprobs is None:
                 return None
             return {k: [x for b in parts for x in b[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {"index": i, "text": "".join(texts[i]), "logprobs": joined(blocks[i]), "finish_reason": finish[i]}
-                for i in range(len(choices))
-            ],
-            "usage": usage_dict(sum(prompt_tokens.values()), completion_tokens),
-        }
-        return JSONResponse(body)
+        return JSONResponse(
+            {
+                **base,
+                "choices": [
+                    {"index": i, "text": "".join(texts[i]), "logprobs": joined(blocks[i]), "finish_reason": finish[i]}
+                    for i in range(len(choices))
+                ],
+                "usage": usage_dict(sum(prompt_tokens.values()), completion_tokens),
+            }
+        )
 
     async def models(request: Request) -> Response:
         authorize(request)

@@ -47,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keys = args.api_key or [k for k in (_env("api_keys") or "").split(",") if k]
+    keys = args.api_key or [k.strip() for k in (_env("api_keys") or "").split(",") if k.strip()]
     try:
         config = EngineConfig(
             model=args.model,

@@ -211,6 +211,8 @@ class CompletionRequest(_SamplingFields):
 def parse(model: type[BaseModel], data: Any):
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    # OpenAI's schema lets optional fields be null: null means "not given".
+    data = {k: v for k, v in data.items() if v is not None}
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -10,6 +10,8 @@ early or cancelling its task sends an abort, which the worker applies before its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -45,7 +47,11 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        # Streams by engine id ("<request id>#<n>"): a request id reused right after a
+        # cancelled stream never receives the old stream's chunks still in flight.
         self._streams: dict[str, _Stream] = {}
+        self._active: dict[str, str] = {}  # request id -> engine id of its open stream
+        self._ids = itertools.count()
         self._pending_adds = 0  # added by the loop, not yet drained by the worker
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -82,6 +88,14 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._running = False
+        # The worker is gone: drop queued commands and abort what the streams left behind,
+        # so a restarted engine does not keep generating for nobody.
+        while not self._commands.empty():
+            self._commands.get_nowait()
+        with self._lock:
+            self._pending_adds = 0
+        for engine_id in list(self._streams):
+            self.engine.abort(engine_id)
         self._fail_all(EngineDeadError("the engine was stopped"))
 
     async def __aenter__(self) -> AsyncEngine:
@@ -112,15 +126,17 @@ class AsyncEngine:
         if not self.is_ready:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
+        if request_id in self._active:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self._pending_adds + self.engine.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
+        engine_id = f"{request_id}#{next(self._ids)}"
         state = _Stream(asyncio.Queue())
-        self._streams[request_id] = state
+        self._streams[engine_id] = state
+        self._active[request_id] = engine_id
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params or SamplingParams()))
+        self._commands.put(("add", engine_id, prompt, params or SamplingParams()))
         self._wakeup.set()
         finished = False
         try:
@@ -133,13 +149,14 @@ class AsyncEngine:
                     finished = True
                     raise RequestFailed(f"request {request_id} failed: {item.error}")
                 finished = item.finished
-                yield item
+                yield dataclasses.replace(item, request_id=request_id)
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(engine_id, None)
+            self._active.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(("abort", engine_id))
                 self._wakeup.set()
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
@@ -155,8 +172,11 @@ class AsyncEngine:
         return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wakeup.set()
+        """Stop a request; its stream ends with a last chunk whose finish_reason is "abort"."""
+        engine_id = self._active.get(request_id)
+        if engine_id is not None:
+            self._commands.put(("abort", engine_id))
+            self._wakeup.set()
 
     # ------------------------------------------------------- event-loop side of hand-off
     def _deliver(self, chunks: list) -> None:
@@ -182,12 +202,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ worker thread
     def _drain(self) -> list:
-        errors = []
+        """Apply queued commands; return (engine id, item) pairs to deliver."""
+        out = []
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return errors
+                return out
             if cmd[0] == "add":
                 _, request_id, prompt, params = cmd
                 with self._lock:
@@ -195,9 +216,13 @@ class AsyncEngine:
                 try:
                     self.engine.submit(self.engine.prepare(prompt, params, request_id))
                 except SpecstreamError as exc:
-                    errors.append((request_id, exc))
+                    out.append((request_id, exc))
+                except Exception as exc:  # noqa: BLE001 - a request that cannot be prepared fails alone
+                    out.append((request_id, RequestFailed(f"request {request_id} could not be prepared: {exc!r}")))
             else:
-                self.engine.abort(cmd[1])
+                last = self.engine.abort(cmd[1])
+                if last is not None:
+                    out.append((cmd[1], last))
 
     def _run(self, ready: asyncio.Future) -> None:
         loop = self._loop
@@ -213,9 +238,9 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._wakeup.clear()
-                errors = self._drain()
-                if errors:
-                    loop.call_soon_threadsafe(self._deliver, errors)
+                handed = self._drain()
+                if handed:
+                    loop.call_soon_threadsafe(self._deliver, handed)
                 if not engine.has_unfinished():
                     self._wakeup.wait()
                     continue

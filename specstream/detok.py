@@ -11,6 +11,9 @@ from __future__ import annotations
 
 # Tokens of context decoded in front of new ones.
 _CONTEXT_TOKENS = 6
+# A UTF-8 character has at most 4 bytes, so text still ending in U+FFFD after this many
+# held tokens is invalid output from the model, not a character in progress: emit it.
+_MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -35,9 +38,13 @@ class IncrementalDetokenizer:
         self._tokens.append(token_id)
         prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        held = len(self._tokens) - self._read_offset
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and held < _MAX_HELD_TOKENS):
             return False
-        self.text += full[len(prefix) :]
+        return self._append(full[len(prefix) :])
+
+    def _append(self, new: str) -> bool:
+        self.text += new
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         if self.stop:
@@ -49,8 +56,17 @@ class IncrementalDetokenizer:
                 self.stopped = True
         return self.stopped
 
+    def _flush(self) -> None:
+        """At the end: text of tokens still held back, without a trailing incomplete character."""
+        prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset :])
+        if len(full) > len(prefix):
+            self._append(full[len(prefix) :].rstrip("\ufffd"))
+
     def take(self, final: bool = False) -> str:
         """Text not yet handed out that is safe to emit (everything when final or stopped)."""
+        if final and not self.stopped:
+            self._flush()
         end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._hold)
         delta = self.text[self._emitted : end]
         self._emitted = end

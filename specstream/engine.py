@@ -157,7 +157,10 @@ class Engine:
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError("each chat message needs a string 'role' and a string 'content'")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+            try:
+                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as exc:  # noqa: BLE001 - templates raise what they like (jinja errors, ValueError)
+                raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}", param="messages") from exc
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -205,15 +208,16 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         return self.submit(self.prepare(prompt, params, request_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV; False when it is not running."""
+    def abort(self, request_id: str) -> StreamChunk | None:
+        """Stop a request now and free its KV. Returns its last chunk (finish_reason
+        "abort", with usage), or None when the request is not in the engine."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            return False
+            return None
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         self.metrics.finished.labels(finished_reason="abort").inc()
-        return True
+        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", Usage(seq.num_prompt_tokens, seq.num_output_tokens))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

@@ -128,7 +128,7 @@ class DraftModelProposer(Proposer):
             torch.tensor([p.top_p for p in params], device=logits.device),
         )
         us = torch.tensor(
-            [uniform(seqs[j].params.seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
+            [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
             dtype=torch.float64,
             device=logits.device,
         )

@@ -9,7 +9,6 @@ with speculation on or off.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 
 import torch
@@ -61,8 +60,6 @@ class SamplingParams:
             raise InvalidRequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
-        if self.seed is None:
-            self.seed = random.getrandbits(63)
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +100,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         before = sorted_probs.cumsum(-1) - sorted_probs
-        drop |= before >= top_p[:, None]
+        drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)

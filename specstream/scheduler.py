@@ -86,6 +86,9 @@ class Scheduler:
                 plan.decodes.append(seq)
         budget -= len(plan.decodes)
         draft_room = min(budget, len(plan.decodes) * self.policy.k_max)
+        if self.waiting or any(not s.is_decoding for s in self.running):
+            # Prompts are waiting: drafts may take at most half of what is left.
+            draft_room = min(draft_room, budget // 2)
         budget = self._schedule_prefills(plan, budget - draft_room) + draft_room
         if plan.empty and len(self.running) > 1:
             # Prefilling sequences filled the pool between them: make room for the oldest.

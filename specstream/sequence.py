@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass, field
 
 from specstream.sampling import SamplingParams
@@ -48,6 +49,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
+        # Each request draws its own seed when it has none, even when requests share one
+        # SamplingParams object.
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.arrival = arrival  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

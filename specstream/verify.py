@@ -53,8 +53,9 @@ def accept_rejection_sampling(
     """Lossless speculative sampling for drafts drawn from known distributions.
 
     target_probs [B, K+1, V]; draft_probs [B, K, V]; drafts [B, K]; num_drafts [B];
-    accept_uniforms [B, K]; sample_uniforms [B] (for the recovered or bonus token).
-    Returns (num_accepted [B], next_token [B]).
+    accept_uniforms [B, K]; sample_uniforms [B, K+1]: column i draws the recovered or bonus
+    token when it lands at draft position i (i = num_accepted), so each output position has
+    its own uniform. Returns (num_accepted [B], next_token [B]).
     """
     from specstream.sampling import sample_from
 
@@ -72,7 +73,7 @@ def accept_rejection_sampling(
     # rounding can still get here: fall back to p.
     empty = residual.sum(-1) <= 0
     residual = torch.where(empty[:, None], p_next, residual)
-    return num_accepted, sample_from(residual, sample_uniforms)
+    return num_accepted, sample_from(residual, sample_uniforms.gather(1, num_accepted[:, None]).squeeze(1))
 
 
 def _pad(rows: list[list[int]], width: int, device) -> torch.Tensor:
@@ -151,7 +152,7 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
         for i in one_hot:
             seq = rounds[i][0]
             pos = seq.num_output_tokens
-            us = torch.tensor([uniform(seq.params.seed, pos + j, STREAM_SAMPLE) for j in range(sizes[sampled.index(i)])], dtype=torch.float64, device=device)
+            us = torch.tensor([uniform(seq.seed, pos + j, STREAM_SAMPLE) for j in range(sizes[sampled.index(i)])], dtype=torch.float64, device=device)
             choices.append(sample_from(probs[i], us))
         by_match(one_hot, choices)
     if with_q:
@@ -160,16 +161,16 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
         p = torch.zeros((len(with_q), k + 1, vocab), device=device)
         q = torch.zeros((len(with_q), k, vocab), device=device)
         acc_u = torch.zeros((len(with_q), k), dtype=torch.float64, device=device)
-        smp_u = torch.zeros(len(with_q), dtype=torch.float64, device=device)
+        smp_u = torch.zeros((len(with_q), k + 1), dtype=torch.float64, device=device)
         for j, i in enumerate(with_q):
             seq, draft = rounds[i][0], rounds[i][1]
             n, pos = len(draft.tokens), seq.num_output_tokens
             p[j, : n + 1] = probs[i]
             q[j, :n] = draft.probs[:, :vocab]
-            acc_u[j, :n] = torch.tensor([uniform(seq.params.seed, pos + t, STREAM_ACCEPT) for t in range(n)], dtype=torch.float64)
-            # The recovered/bonus token's uniform is that of the position it lands on; it
-            # is independent of the acceptance tests before it.
-            smp_u[j] = uniform(seq.params.seed, pos + n, STREAM_SAMPLE)
+            acc_u[j, :n] = torch.tensor([uniform(seq.seed, pos + t, STREAM_ACCEPT) for t in range(n)], dtype=torch.float64)
+            # The recovered/bonus token uses the uniform of the position it lands on, so no
+            # later round can draw with the same one.
+            smp_u[j, : n + 1] = torch.tensor([uniform(seq.seed, pos + t, STREAM_SAMPLE) for t in range(n + 1)], dtype=torch.float64)
         drafts = _pad([rounds[i][1].tokens for i in with_q], k, device)
         num = torch.tensor([len(rounds[i][1].tokens) for i in with_q], device=device)
         acc, nxt = accept_rejection_sampling(p, q, drafts, num, acc_u.to(p.dtype), smp_u)

@@ -164,7 +164,7 @@ async def test_one_failing_request_does_not_harm_the_others(tiny_model_dir, aeng
 
     def prepare(prompt, params, request_id):
         seq = real_prepare(prompt, params, request_id)
-        if request_id == "bad":
+        if request_id.startswith("bad#"):
             def explode(token_id):
                 raise RuntimeError("detokenizer broke")
             seq.detokenizer.add = explode
@@ -293,3 +293,34 @@ async def test_a_model_that_cannot_load_fails_start():
     with pytest.raises(ModelError, match="does not exist"):
         async with AsyncEngine(EngineConfig(model="./no/such/model")):
             pass
+
+
+async def test_abort_ends_the_stream_with_finish_reason_abort(aengine):
+    stream = aengine.stream(PROMPTS[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), request_id="to-abort")
+    first = await stream.__anext__()
+    await aengine.abort("to-abort")
+    rest = [c async for c in stream]
+    assert rest[-1].finish_reason == "abort" and rest[-1].usage.completion_tokens >= len(first.token_ids)
+    await wait_for(lambda: aengine.engine.num_running == 0)
+
+
+async def test_a_reused_request_id_never_gets_the_old_streams_chunks(aengine):
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    old = aengine.stream(PROMPTS[0], params, request_id="same")
+    await old.__anext__()
+    await old.aclose()
+    new = [c async for c in aengine.stream(PROMPTS[2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), request_id="same")]
+    assert sum(len(c.token_ids) for c in new) == 5 and all(c.request_id == "same" for c in new)
+    await wait_for(lambda: aengine.engine.num_running == 0)
+
+
+async def test_stop_aborts_requests_left_behind(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    ae = AsyncEngine(engine=engine)
+    await ae.start()
+    task = asyncio.create_task(ae.generate(PROMPTS[0], SamplingParams(max_tokens=800, temperature=0, ignore_eos=True)))
+    await wait_for(lambda: engine.num_running == 1)
+    await ae.stop()
+    with pytest.raises(EngineDeadError):
+        await task
+    assert not engine.has_unfinished() and engine.pool.num_free_blocks == engine.pool.num_blocks

@@ -219,3 +219,32 @@ def test_max_tokens_beyond_context_is_refused_and_none_means_up_to_context(tiny_
         e.add_request([1, 2, 3], SamplingParams(max_tokens=38))
     out = e.generate([1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 37 and out.finish_reason == "length"
+
+
+def test_requests_sharing_params_without_seed_sample_independently(plain):
+    outs = plain.generate(["Hello world"] * 4, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_recovered_tokens_do_not_reuse_a_later_rounds_uniform():
+    """Two consecutive rejections must draw their recovered tokens independently: with a
+    fixed p and a draft that always proposes token 0, the recovered tokens of rounds that
+    start one position apart must not always agree."""
+    from specstream.proposers import Draft
+    from specstream.sequence import Sequence
+    from specstream.verify import verify_round
+
+    p = torch.tensor([0.4, 0.3, 0.3]).log()
+    same = both = 0
+    for seed in range(400):
+        seq = Sequence("r", [1], SamplingParams(max_tokens=10, temperature=1.0, seed=seed), 0)
+        q = torch.tensor([[1.0, 0.0, 0.0]] * 2)
+        a1, t1 = verify_round([(seq, Draft([0, 0], q), p.expand(3, -1).clone())])[0]
+        if a1 != 0:
+            continue
+        seq.token_ids += t1
+        a2, t2 = verify_round([(seq, Draft([0], q[:1]), p.expand(2, -1).clone())])[0]
+        if a2 == 0:
+            both += 1
+            same += t1[-1] == t2[-1]
+    assert both > 50 and same < both * 0.8

@@ -318,3 +318,54 @@ def test_end_to_end_on_the_default_model():
         )
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert "Paris" in text
+
+
+def test_chat_template_errors_are_400_and_the_engine_stays_healthy(server):
+    engine = server.engine.engine
+    real = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, headers=headers())
+        assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+    finally:
+        engine.tokenizer.chat_template = real
+    assert server.engine.is_healthy
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2}, headers=headers()).status_code == 200
+
+
+def test_deeply_nested_json_is_400(server):
+    body = b"[" * 20000 + b"]" * 20000
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={**headers(), "content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_null_optional_fields_mean_defaults(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, extra_body={"n": None, "presence_penalty": None, "stream": None, "logprobs": None})
+    assert len(r.choices) == 1 and r.usage.completion_tokens == 3
+
+
+def test_completions_limit_prompts_times_n(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=["a"] * 5, n=2, max_tokens=2)
+
+
+def test_non_streaming_request_is_cancelled_when_the_client_leaves(server):
+    engine = server.engine.engine
+    finished = engine.metrics.finished.labels(finished_reason="abort")
+    before = finished._value.get()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 900, "n": 8, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=httpx.Timeout(0.3, connect=5.0))
+    wait_idle(server.engine)
+    assert finished._value.get() == before + 8  # all eight choices were aborted, none ran to the end
+
+
+def test_logprob_bytes_rebuild_characters_split_across_tokens():
+    from gateway.tokens import TokenBytes
+    from specstream.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("smollm2-135m"))
+    text = "\u4f60\u597d \U0001f600 ok"
+    ids = tok.encode(text)
+    tb = TokenBytes(tok)
+    assert bytes(b for i in ids for b in tb(i)[1]).decode("utf-8") == text

@@ -63,6 +63,11 @@ def test_bad_params_are_refused(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_stop_string_becomes_list_and_seed_is_drawn():
-    p = SamplingParams(stop="END")
-    assert p.stop == ["END"] and isinstance(p.seed, int)
+def test_stop_string_becomes_list():
+    assert SamplingParams(stop="END").stop == ["END"]
+
+
+def test_top_p_of_one_keeps_every_token_even_beside_a_top_p_row():
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    probs = probabilities(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.9]))
+    assert (probs[0] > 0).all() and (probs[1] == 0).any()

@@ -58,7 +58,7 @@ def test_rejection_sampling_emits_target_distribution():
         drafts,
         torch.full((n,), k),
         torch.rand(n, k, generator=g),
-        torch.rand(n, generator=g, dtype=torch.float64),
+        torch.rand(n, k + 1, generator=g, dtype=torch.float64),
     )
     first = torch.where(num_accepted > 0, drafts[:, 0], nxt)
     within_bounds(first, p[0])
@@ -74,7 +74,7 @@ def test_rejection_sampling_with_identical_draft_accepts_everything():
     g = torch.Generator().manual_seed(3)
     p = random_dist(g, 3, 5)
     drafts = torch.tensor([[1, 2]])
-    num_accepted, _ = accept_rejection_sampling(p[None], p[None, :2], drafts, torch.tensor([2]), torch.rand(1, 2, generator=g), torch.rand(1, dtype=torch.float64))
+    num_accepted, _ = accept_rejection_sampling(p[None], p[None, :2], drafts, torch.tensor([2]), torch.rand(1, 2, generator=g), torch.rand(1, 3, dtype=torch.float64))
     assert num_accepted.item() == 2
 
 
