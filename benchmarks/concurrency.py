@@ -1,7 +1,7 @@
 """Concurrency: 1, 4, 8 and 16 concurrent streams through AsyncEngine on the bundled model
 (bf16, greedy), speculative (n-gram) vs plain at each level, in one run.
 
-    .venv/bin/python benchmarks/concurrency.py             # ~4 min on 2 cores
+    .venv/bin/python benchmarks/concurrency.py             # ~10 min on 2 cores
     .venv/bin/python benchmarks/concurrency.py --max-tokens 32 --levels 1 4
 
 Reports aggregate tokens/s, TTFT p50/p99, ITL p50/p99 (gap between consecutive chunks as
@@ -42,11 +42,17 @@ async def one_stream(engine: AsyncEngine, prompt: str, max_tokens: int) -> dict:
     return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "tpot": tpot}
 
 
-async def run_level(engine: AsyncEngine, prompts: list[str], n: int, max_tokens: int) -> dict:
+async def run_level(engine: AsyncEngine, prompts: list[str], n: int, max_tokens: int) -> tuple[list[dict], float]:
     chosen = [prompts[i % len(prompts)] for i in range(n)]
     start = time.perf_counter()
     results = await asyncio.gather(*(one_stream(engine, p, max_tokens) for p in chosen))
-    wall = time.perf_counter() - start
+    return list(results), time.perf_counter() - start
+
+
+def summarize(runs: list[tuple[list[dict], float]]) -> dict:
+    """Pool repeated runs of one level: tokens over total wall time, pooled latencies."""
+    results = [r for rs, _ in runs for r in rs]
+    wall = sum(w for _, w in runs)
     gaps = [g for r in results for g in r["gaps"]]
     return {
         "tokens": sum(r["tokens"] for r in results),
@@ -85,21 +91,32 @@ async def long_prompt_effect(engine: AsyncEngine, prompt_tokens: int) -> tuple[f
 
 async def main_async(args) -> None:
     prompts = GROUNDED[:4] + OPEN_CHAT[:4]
-    rows = {}
-    for method in ("off", "ngram"):
+    methods = ("off", "ngram")
+    engines = {}
+    for method in methods:
         cfg = EngineConfig(
             dtype="bfloat16",
             max_num_batched_tokens=args.max_batched_tokens,
             speculative=SpeculativeConfig(method=method, num_speculative_tokens=args.k),
         )
-        async with AsyncEngine(cfg) as engine:
-            await engine.generate("Hi", SamplingParams(max_tokens=4))
-            for n in args.levels:
-                rows[(method, n)] = await run_level(engine, prompts, n, args.max_tokens)
-                r = rows[(method, n)]
-                print(f"  {method:5} x{n:<2} {r['tps']:.1f} tok/s", flush=True)
-            if method == "ngram":
-                before, during = await long_prompt_effect(engine, args.long_prompt)
+        engines[method] = await AsyncEngine(cfg).start()
+        await engines[method].generate("Hi", SamplingParams(max_tokens=4))
+    rows = {}
+    try:
+        for n in args.levels:
+            runs = {m: [] for m in methods}
+            # ABBA order: plain and speculative alternate, so drift in machine speed
+            # during the run does not favour either.
+            for rep in range(args.repeats):
+                for method in methods if rep % 2 == 0 else methods[::-1]:
+                    runs[method].append(await run_level(engines[method], prompts, n, args.max_tokens))
+            for method in methods:
+                rows[(method, n)] = summarize(runs[method])
+                print(f"  {method:5} x{n:<2} {rows[(method, n)]['tps']:.1f} tok/s", flush=True)
+        before, during = await long_prompt_effect(engines["ngram"], args.long_prompt)
+    finally:
+        for e in engines.values():
+            await e.stop()
 
     base = rows[("off", args.levels[0])]["tps"]
     print(f"\n## Concurrent streams, greedy, up to {args.max_tokens} new tokens, bf16, {torch.get_num_threads()} threads\n")
@@ -133,6 +150,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--long-prompt", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per level and method, in ABBA order")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -178,6 +178,9 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         watcher = asyncio.ensure_future(disconnected())
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the handler itself was cancelled (shutdown): take the work along
+            task.cancel()
+            raise
         finally:
             watcher.cancel()
         if task in done:

@@ -1,0 +1,65 @@
+"""The k policy and its cost model."""
+
+from specstream.adaptive_k import CostModel, KPolicy, acceptance_estimate, record_round
+from specstream.sampling import SamplingParams
+from specstream.sequence import Sequence
+
+
+def seqs(n, accepted=0.0, rejected=0.0):
+    out = []
+    for i in range(n):
+        s = Sequence(str(i), [1, 2, 3], SamplingParams(), i)
+        s.accept_mass, s.reject_mass = accepted, rejected
+        out.append(s)
+    return out
+
+
+def test_cost_model_interpolates_and_is_monotone():
+    cm = CostModel([1, 8, 32], [0.05, 0.04, 0.08])
+    assert cm.seconds == [0.05, 0.05, 0.08]
+    assert abs(cm(20) - 0.065) < 1e-9 and cm(64) > cm(32)
+
+
+def test_online_observations_pull_the_curve_toward_real_steps():
+    cm = CostModel([1, 16, 128], [0.05, 0.06, 0.10])
+    for _ in range(60):
+        cm.observe(128, 0.30)
+    assert cm(128) > 0.25 and abs(cm(1) - 0.05) < 1e-9
+
+
+def test_free_verification_and_good_acceptance_drafts_long():
+    policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
+    assert policy.choose(seqs(1, accepted=20.0), base_tokens=1, budget=100) == [8]
+
+
+def test_expensive_verification_or_poor_acceptance_drafts_nothing():
+    steep = KPolicy(8, True, CostModel([1, 64], [0.05, 3.2]), lambda n: 0.0)
+    assert steep.choose(seqs(2, accepted=5.0, rejected=1.0), base_tokens=2, budget=100) == [0, 0]
+    # Like this project's CPU: verifying 9 tokens costs ~20% more than decoding 1.
+    cpu = KPolicy(8, True, CostModel([1, 9], [0.05, 0.06]), lambda n: 0.0)
+    poor = seqs(1, rejected=30.0)
+    assert acceptance_estimate(poor[0]) < 0.05
+    assert cpu.choose(poor, base_tokens=1, budget=100) == [0]
+
+
+def test_bigger_batches_get_shorter_drafts_on_a_saturating_device():
+    # Cost grows linearly past 8 tokens: a batch of 16 pays for every draft token.
+    policy = KPolicy(8, True, CostModel([1, 8, 256], [0.05, 0.05, 1.6]), lambda n: 0.0)
+    one = policy.choose(seqs(1, accepted=3.0, rejected=1.0), base_tokens=1, budget=500)
+    many = policy.choose(seqs(16, accepted=3.0, rejected=1.0), base_tokens=16, budget=500)
+    assert one[0] >= 4 and max(many) < one[0]
+
+
+def test_acceptance_history_fades_toward_the_prior_when_idle():
+    s = seqs(1, rejected=10.0)[0]
+    low = acceptance_estimate(s)
+    for _ in range(100):
+        record_round(s, 0, 0)
+    assert acceptance_estimate(s) > low + 0.2
+
+
+def test_request_cap_limits_k():
+    s = seqs(1, accepted=50.0)[0]
+    s.params = SamplingParams(num_speculative_tokens=2)
+    policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
+    assert policy.choose([s], base_tokens=1, budget=100) == [2]
