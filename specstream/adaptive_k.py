@@ -31,43 +31,15 @@ DECAY_IDLE = 0.97
 
 
 class CostModel:
-    """Piecewise-linear forward time (seconds) as a function of the step's token count.
-
-    Measured at start-up on one sequence, then refined online from the engine's own steps:
-    a real step of many sequences costs more per token than one long sequence (attention is
-    padded per sequence), and that is exactly when drafting must back off."""
-
-    ONLINE_RATE = 0.1  # weight of one observed step in the log of the nearby points
+    """Piecewise-linear forward time (seconds) as a function of the step's token count,
+    measured at start-up."""
 
     def __init__(self, tokens: list[int], seconds: list[float]) -> None:
         self.tokens = list(tokens)
-        self._raw = list(seconds)
-        self._smooth()
-
-    def _smooth(self) -> None:
         # A forward over more tokens never costs less; smooth out timing noise.
         self.seconds = []
-        for s in self._raw:
+        for s in seconds:
             self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
-
-    def observe(self, n: int, seconds: float) -> None:
-        """A real forward over n tokens took `seconds`: move the two surrounding points of
-        the curve toward it (multiplicatively, weighted by closeness)."""
-        if n <= 0 or seconds <= 0:
-            return
-        ratio = min(max(seconds / self(n), 0.5), 2.0)
-        t = self.tokens
-        i = min(max(bisect.bisect_left(t, n), 1), len(t) - 1) if len(t) > 1 else 0
-        if len(t) == 1 or n >= t[-1]:
-            weights = {len(t) - 1: 1.0}
-        elif n <= t[0]:
-            weights = {0: 1.0}
-        else:
-            right = (n - t[i - 1]) / (t[i] - t[i - 1])
-            weights = {i - 1: 1.0 - right, i: right}
-        for j, w in weights.items():
-            self._raw[j] *= ratio ** (self.ONLINE_RATE * w)
-        self._smooth()
 
     def __call__(self, n: float) -> float:
         t, s = self.tokens, self.seconds

@@ -251,10 +251,7 @@ class Engine:
             items.append(ForwardItem(seq.block_table, seq.num_cached, seq.token_ids[seq.num_cached : seq.num_cached + n], int(done)))
             if done:
                 completing.append(seq)
-        start = time.perf_counter()
         logits = self.runner.forward(items)
-        if self.policy.target_cost is not None:
-            self.policy.target_cost.observe(sum(len(i.tokens) for i in items), time.perf_counter() - start)
         for seq, n in plan.prefills:
             seq.num_cached += n
         rows = logits.split([1 + len(d.tokens) for d in drafts] + [1] * len(completing))

@@ -8,7 +8,6 @@ head, say) implements the same four members; verification does not change.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +103,7 @@ class DraftModelProposer(Proposer):
                     new = [drafts[i].tokens[-1]]
                 items.append(ForwardItem(state[0], state[1], new, 1))
                 state[1] += len(new)
-            start = time.perf_counter()
             logits = self.runner.forward(items)
-            if self.cost is not None:
-                self.cost.observe(sum(len(item.tokens) for item in items), time.perf_counter() - start)
             self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
             step += 1
             active = [i for i in active if ks[i] > step]
