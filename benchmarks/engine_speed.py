@@ -109,7 +109,7 @@ def main() -> None:
     print(f"\n## Single stream, greedy, up to {args.max_tokens} new tokens, bf16, {args.threads} threads\n")
     print("| prompts | configuration | tokens | tok/s | vs ours plain | vs HF plain | acceptance |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for (set_name, name), (tokens, elapsed, acc) in results.items():
+    for (set_name, name), (tokens, _, acc) in results.items():
         base, hf = tps((set_name, "ours plain")), tps((set_name, "HF generate plain"))
         rate = tps((set_name, name))
         acc_s = f"{acc:.0%}" if acc == acc and name.startswith("ours") and "plain" not in name else ""

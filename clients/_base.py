@@ -84,6 +84,13 @@ class BaseClient:
         return error_from_body(response.status_code, body, f"HTTP {response.status_code}: {response.text[:200]}")
 
     @staticmethod
+    def json_body(response: httpx.Response) -> dict:
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise APIConnectionError(f"the server sent invalid JSON: {response.text[:200]!r}") from exc
+
+    @staticmethod
     def transport_error(exc: httpx.TransportError) -> Exception:
         if isinstance(exc, httpx.TimeoutException):
             return APITimeoutError(f"request timed out: {exc!r}")

@@ -127,11 +127,7 @@ class Client(BaseClient):
             raise self.status_error(response)
 
     def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
-        response = self._send(method, path, body, timeout, stream=False)
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise APIConnectionError(f"the server sent invalid JSON: {response.text[:200]!r}") from exc
+        return self.json_body(self._send(method, path, body, timeout, stream=False))
 
     def _events(self, path: str, body: dict, timeout=None) -> Iterator[dict]:
         response = self._send("POST", path, body, timeout, stream=True)
@@ -237,11 +233,7 @@ class AsyncClient(BaseClient):
             raise self.status_error(response)
 
     async def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
-        response = await self._send(method, path, body, timeout, stream=False)
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise APIConnectionError(f"the server sent invalid JSON: {response.text[:200]!r}") from exc
+        return self.json_body(await self._send(method, path, body, timeout, stream=False))
 
     async def _events(self, path: str, body: dict, timeout=None) -> AsyncIterator[dict]:
         response = await self._send("POST", path, body, timeout, stream=True)

@@ -27,7 +27,7 @@ from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoPro
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
 from specstream.scheduler import Scheduler
-from specstream.sequence import Sequence, SequenceStatus
+from specstream.sequence import Sequence
 from specstream.verify import verify_round
 
 _CALIBRATION_CONTEXT = 64

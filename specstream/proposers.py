@@ -15,7 +15,7 @@ import torch
 
 from specstream.kv import KVPool
 from specstream.runner import ForwardItem, ModelRunner
-from specstream.sampling import STREAM_DRAFT, probabilities, sample_from, uniform
+from specstream.sampling import STREAM_DRAFT, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
 
 
@@ -108,25 +108,19 @@ class DraftModelProposer(Proposer):
             step += 1
             active = [i for i in active if ks[i] > step]
         for d in drafts:
-            if d.probs is not None:
-                d.probs = torch.stack(d.probs) if isinstance(d.probs, list) else d.probs
+            if d.probs:
+                d.probs = torch.stack(d.probs)
         return drafts
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         greedy_ids = logits.argmax(-1).tolist()
         for j, d in enumerate(drafts):
-            if j not in sampled:
+            if seqs[j].params.greedy:
                 d.tokens.append(greedy_ids[j])
         if not sampled:
             return
-        params = [seqs[j].params for j in sampled]
-        probs = probabilities(
-            logits[sampled],
-            torch.tensor([p.temperature for p in params], device=logits.device),
-            torch.tensor([p.top_k for p in params], device=logits.device),
-            torch.tensor([p.top_p for p in params], device=logits.device),
-        )
+        probs = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
         us = torch.tensor(
             [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
             dtype=torch.float64,
@@ -136,9 +130,7 @@ class DraftModelProposer(Proposer):
         for row, j in enumerate(sampled):
             d = drafts[j]
             d.tokens.append(tokens[row])
-            if d.probs is None:
-                d.probs = []
-            d.probs.append(probs[row])
+            d.probs = (d.probs or []) + [probs[row]]
 
     def on_commit(self, seq):
         state = self._state.get(seq.request_id)

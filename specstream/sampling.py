@@ -107,6 +107,15 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return logits.softmax(-1)
 
 
+def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
+    """probabilities() with each row's temperature/top-k/top-p taken from its SamplingParams."""
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in row_params], device=logits.device)
+
+    return probabilities(logits, column("temperature"), column("top_k"), column("top_p"))
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling, one uniform per row: [R, V] probabilities (unnormalized ok), [R]."""
     cdf = probs.double().cumsum(-1)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, probabilities_for, sample_from, uniform
+
 
 def accepted_prefix(matches: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """Length of the leading run of True in each row, within num_drafts. [B, K] -> [B]."""
@@ -57,8 +59,6 @@ def accept_rejection_sampling(
     token when it lands at draft position i (i = num_accepted), so each output position has
     its own uniform. Returns (num_accepted [B], next_token [B]).
     """
-    from specstream.sampling import sample_from
-
     b, k = drafts.shape
     rows = torch.arange(b, device=drafts.device)
     p_d = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(-1)
@@ -90,15 +90,6 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
     rounds: (sequence, draft, logits [len(draft.tokens) + 1, V]) per sequence. Returns, per
     sequence, (number of drafts accepted, tokens to emit = accepted drafts + one more).
     """
-    from specstream.sampling import (
-        STREAM_ACCEPT,
-        STREAM_SAMPLE,
-        apply_penalties,
-        probabilities,
-        sample_from,
-        uniform,
-    )
-
     results: list[tuple[int, list[int]] | None] = [None] * len(rounds)
     if not rounds:
         return []
@@ -116,15 +107,17 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
             rows = apply_penalties(rows, counts, torch.full((n,), p.presence_penalty, device=device), torch.full((n,), p.frequency_penalty, device=device))
         logits.append(rows)
 
+    def store(idx: list[int], acc: torch.Tensor, nxt: torch.Tensor) -> None:
+        for j, i in enumerate(idx):
+            a = int(acc[j])
+            results[i] = (a, rounds[i][1].tokens[:a] + [int(nxt[j])])
+
     def by_match(idx: list[int], choices: list[torch.Tensor]) -> None:
         k = max(len(rounds[i][1].tokens) for i in idx)
         targets = torch.stack([torch.nn.functional.pad(c, (0, k + 1 - len(c))) for c in choices])
         drafts = _pad([rounds[i][1].tokens for i in idx], k, device)
         num = torch.tensor([len(rounds[i][1].tokens) for i in idx], device=device)
-        acc, nxt = accept_by_match(targets, drafts, num)
-        for j, i in enumerate(idx):
-            a = int(acc[j])
-            results[i] = (a, rounds[i][1].tokens[:a] + [int(nxt[j])])
+        store(idx, *accept_by_match(targets, drafts, num))
 
     greedy = [i for i, (s, _, _) in enumerate(rounds) if s.params.greedy]
     if greedy:
@@ -133,18 +126,8 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
     if not sampled:
         return results
     sizes = [logits[i].shape[0] for i in sampled]
-    params = [rounds[i][0].params for i in sampled]
-
-    def per_row(values: list) -> torch.Tensor:
-        return torch.tensor([v for v, n in zip(values, sizes) for _ in range(n)], device=device)
-
-    probs = probabilities(
-        torch.cat([logits[i] for i in sampled]),
-        per_row([p.temperature for p in params]),
-        per_row([p.top_k for p in params]),
-        per_row([p.top_p for p in params]),
-    ).split(sizes)
-    probs = dict(zip(sampled, probs))
+    row_params = [rounds[i][0].params for i, n in zip(sampled, sizes) for _ in range(n)]
+    probs = dict(zip(sampled, probabilities_for(torch.cat([logits[i] for i in sampled]), row_params).split(sizes)))
     with_q = [i for i in sampled if rounds[i][1].probs is not None and rounds[i][1].tokens]
     one_hot = [i for i in sampled if i not in with_q]
     if one_hot:
@@ -152,7 +135,7 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
         for i in one_hot:
             seq = rounds[i][0]
             pos = seq.num_output_tokens
-            us = torch.tensor([uniform(seq.seed, pos + j, STREAM_SAMPLE) for j in range(sizes[sampled.index(i)])], dtype=torch.float64, device=device)
+            us = torch.tensor([uniform(seq.seed, pos + j, STREAM_SAMPLE) for j in range(probs[i].shape[0])], dtype=torch.float64, device=device)
             choices.append(sample_from(probs[i], us))
         by_match(one_hot, choices)
     if with_q:
@@ -173,8 +156,5 @@ def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
             smp_u[j, : n + 1] = torch.tensor([uniform(seq.seed, pos + t, STREAM_SAMPLE) for t in range(n + 1)], dtype=torch.float64)
         drafts = _pad([rounds[i][1].tokens for i in with_q], k, device)
         num = torch.tensor([len(rounds[i][1].tokens) for i in with_q], device=device)
-        acc, nxt = accept_rejection_sampling(p, q, drafts, num, acc_u.to(p.dtype), smp_u)
-        for j, i in enumerate(with_q):
-            a = int(acc[j])
-            results[i] = (a, rounds[i][1].tokens[:a] + [int(nxt[j])])
+        store(with_q, *accept_rejection_sampling(p, q, drafts, num, acc_u.to(p.dtype), smp_u))
     return results
