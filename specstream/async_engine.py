@@ -114,8 +114,48 @@ class AsyncEngine:
         return self._dead is None and self.is_ready
 
     @property
+    def state(self) -> str:
+        """"loading" until the model is loaded, "ready" while serving, "failed" after a
+        failed load or a fatal engine error (never confused with loading), "stopped"."""
+        if self._dead is not None:
+            return "failed"
+        if self.is_ready:
+            return "ready"
+        if self._thread is None and self.engine is not None:
+            return "stopped"
+        return "loading"
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that failed the engine (state "failed"), else None."""
+        return self._dead
+
+    # The narrow surface the gateway uses (like vLLM's EngineClient); valid once ready.
+    @property
+    def tokenizer(self):
+        return self._require_engine().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._require_engine().max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+    @property
+    def speculative_method(self) -> str:
+        spec = self.config.speculative
+        return spec.method if spec.enabled else "off"
+
+    @property
     def metrics(self):
-        return self.engine.metrics
+        return self._require_engine().metrics
+
+    def _require_engine(self) -> Engine:
+        if self.engine is None:
+            raise EngineDeadError("the engine is not loaded")
+        return self.engine
 
     # -------------------------------------------------------------------- requests
     async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
