@@ -152,6 +152,20 @@ class AsyncEngine:
     def metrics(self):
         return self._require_engine().metrics
 
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running if self.engine is not None else 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running (queued in the engine or on their way)."""
+        return (self.engine.num_waiting if self.engine is not None else 0) + self._pending_adds
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the target's KV pool in use (0.0 when idle and nothing leaked)."""
+        return self.engine.pool.usage if self.engine is not None else 0.0
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise EngineDeadError("the engine is not loaded")

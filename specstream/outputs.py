@@ -11,6 +11,7 @@ from specstream.sequence import SpecStats
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
