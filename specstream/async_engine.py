@@ -1,30 +1,45 @@
 """AsyncEngine: the engine behind asyncio, with streams of chunks.
 
-The Engine lives in one worker thread that owns all of its state: it takes commands (add,
-abort) from a thread-safe queue, runs steps while there is work, and hands each step's
-chunks to the event loop with call_soon_threadsafe. The event loop never waits on model
-compute; a stream is an async generator over an asyncio.Queue of chunks. Leaving a stream
-early or cancelling its task sends an abort, which the worker applies before its next step.
+Three threads, none waiting on another's work:
+- the event loop: streams are async generators over an asyncio.Queue of chunks;
+- a tokenizer thread (a one-worker executor with a tokenizer of its own): validates and
+  tokenizes each request into a complete Sequence, so neither a long prompt nor a chat
+  template ever runs on the loop or between engine steps;
+- the engine thread, which owns the Engine: it takes commands (add a built Sequence, abort)
+  from a thread-safe queue, runs steps while there is work, and hands each step's chunks to
+  the loop with call_soon_threadsafe.
+Leaving a stream early or cancelling its task sends an abort, applied before the next step.
+
+Faults follow DESIGN's model: a refused request raises InvalidRequestError from stream()
+before it reaches the engine; a request that fails while generating ends with RequestFailed
+alone; a fatal error (the model cannot load, or the engine thread cannot go on) sets state
+to "failed", is logged with its traceback, and ends every open stream with EngineDeadError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
 from specstream.engine import Engine
-from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed, SpecstreamError
+from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed
 from specstream.outputs import RequestOutput, StreamChunk
+from specstream.processor import InputProcessor
 from specstream.sampling import SamplingParams
-from specstream.sequence import SpecStats
+from specstream.sequence import Sequence, SpecStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,8 +52,8 @@ class _Stream:
 class AsyncEngine:
     """``async with AsyncEngine(config) as engine: async for chunk in engine.stream(...)``.
 
-    max_waiting bounds requests accepted but not yet running; past it stream() raises
-    QueueFull.
+    max_waiting bounds requests accepted but not yet running (being tokenized or queued);
+    past it stream() raises QueueFull.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None, max_waiting: int = 256) -> None:
@@ -52,23 +67,30 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._active: dict[str, str] = {}  # request id -> engine id of its open stream
         self._ids = itertools.count()
-        self._pending_adds = 0  # added by the loop, not yet drained by the worker
+        self._pending_adds = 0  # accepted by stream(), not yet drained by the engine thread
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._tokenizing: ThreadPoolExecutor | None = None
+        self._processor: InputProcessor | None = None  # the tokenizer thread's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._running = False  # the worker has an engine and is taking requests
+        self._running = False  # the engine thread has an engine and is taking requests
         self._dead: BaseException | None = None
+        self._failed = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncEngine:
-        """Start the worker thread; when no Engine was given, the worker builds it, so that
+        """Start the engine thread; when no Engine was given, that thread builds it, so that
         model loading and every step run in one thread (on CPU, OpenMP kernels are much
-        slower in a thread other than the one that first ran them)."""
+        slower in a thread other than the one that first ran them). A model that cannot
+        load raises here and leaves state "failed"."""
         if self._thread is not None:
             return self
+        if self._dead is not None:
+            raise EngineDeadError("the engine failed; start a new one")
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specstream-tokenizer")
         ready: asyncio.Future = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="specstream-engine", daemon=True)
         self._thread.start()
@@ -77,10 +99,13 @@ class AsyncEngine:
         except BaseException:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+            self._tokenizing.shutdown(wait=False)
             raise
         return self
 
     async def stop(self) -> None:
+        """Stop the engine thread; every open stream ends with EngineDeadError, even when
+        cleaning up after a failed engine goes wrong."""
         if self._thread is None:
             return
         self._stopping = True
@@ -88,15 +113,20 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._running = False
-        # The worker is gone: drop queued commands and abort what the streams left behind,
-        # so a restarted engine does not keep generating for nobody.
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        # The engine thread is gone: drop queued commands and abort what the streams left
+        # behind, so a restarted engine does not keep generating for nobody.
         while not self._commands.empty():
-            self._commands.get_nowait()
-        with self._lock:
-            self._pending_adds = 0
-        for engine_id in list(self._streams):
-            self.engine.abort(engine_id)
+            if self._commands.get_nowait()[0] == "add":
+                with self._lock:
+                    self._pending_adds -= 1
+        left = list(self._streams)
         self._fail_all(EngineDeadError("the engine was stopped"))
+        for engine_id in left:
+            try:
+                self.engine.abort(engine_id)
+            except Exception:  # noqa: BLE001 - a failed engine may not abort cleanly; its streams are ended already
+                logger.exception("could not abort a request while stopping")
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -106,7 +136,7 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        """The model is loaded and the worker takes requests."""
+        """The model is loaded and the engine thread takes requests."""
         return self._running and self._thread is not None and self._thread.is_alive()
 
     @property
@@ -130,10 +160,20 @@ class AsyncEngine:
         """The error that failed the engine (state "failed"), else None."""
         return self._dead
 
+    async def wait_failed(self) -> BaseException:
+        """Wait until the engine fails (a failed load or a fatal error); return the error.
+        A server awaits this to exit non-zero so that its supervisor restarts it."""
+        await self._failed.wait()
+        return self._dead
+
     # The narrow surface the gateway uses (like vLLM's EngineClient); valid once ready.
     @property
     def tokenizer(self):
-        return self._require_engine().tokenizer
+        """The tokenizer thread's own instance (never the engine thread's); safe for the
+        loop to decode with."""
+        if self._processor is None:
+            raise EngineDeadError("the engine is not loaded")
+        return self._processor.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -158,7 +198,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running (queued in the engine or on their way)."""
+        """Requests accepted but not yet running (being tokenized, queued in the engine or on their way)."""
         return (self.engine.num_waiting if self.engine is not None else 0) + self._pending_adds
 
     @property
@@ -175,10 +215,7 @@ class AsyncEngine:
     async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
         """Chunks of one request as its rounds complete; the last carries finish_reason and
         usage. Raises InvalidRequestError, QueueFull, RequestFailed or EngineDeadError."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine failed: {self._dead!r}")
-        if not self.is_ready:
-            raise EngineDeadError("the engine is not running")
+        self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._active:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -190,10 +227,13 @@ class AsyncEngine:
         self._active[request_id] = engine_id
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(("add", engine_id, prompt, params or SamplingParams()))
-        self._wakeup.set()
-        finished = False
+        submitted = finished = False
         try:
+            seq = await self._prepare(prompt, params, engine_id)
+            self._check_accepting()
+            self._commands.put(("add", seq))
+            submitted = True
+            self._wakeup.set()
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -201,17 +241,36 @@ class AsyncEngine:
                     raise item
                 if item.error is not None:
                     finished = True
-                    raise RequestFailed(f"request {request_id} failed: {item.error}")
+                    raise RequestFailed(f"the request failed: {item.error}")
                 finished = item.finished
                 yield dataclasses.replace(item, request_id=request_id)
                 if finished:
                     return
         finally:
+            if not submitted:
+                with self._lock:
+                    self._pending_adds -= 1
             self._streams.pop(engine_id, None)
             self._active.pop(request_id, None)
-            if not finished:
+            if submitted and not finished:
                 self._commands.put(("abort", engine_id))
                 self._wakeup.set()
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine failed; no request can run")
+        if not self.is_ready:
+            raise EngineDeadError("the engine is not running")
+
+    async def _prepare(self, prompt, params: SamplingParams | None, engine_id: str) -> Sequence:
+        """Validate and tokenize in the tokenizer thread; InvalidRequestError when refused."""
+        try:
+            return await self._loop.run_in_executor(self._tokenizing, self._processor.process, prompt, params, engine_id)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a request that cannot be prepared fails alone
+            logger.error("request %s could not be prepared", engine_id, exc_info=exc)
+            raise RequestFailed(f"the request could not be prepared ({type(exc).__name__})") from None
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
         """The whole completion at once (streams internally)."""
@@ -254,7 +313,14 @@ class AsyncEngine:
         for state in list(self._streams.values()):
             state.queue.put_nowait(exc)
 
-    # ------------------------------------------------------------------ worker thread
+    def _mark_failed(self, exc: BaseException) -> None:
+        """Engine thread: record a fatal error and end every open stream with it."""
+        self._dead = exc
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._failed.set)
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine failed; no request can run"))
+
+    # ------------------------------------------------------------------ engine thread
     def _drain(self) -> list:
         """Apply queued commands; return (engine id, item) pairs to deliver."""
         out = []
@@ -264,15 +330,12 @@ class AsyncEngine:
             except queue.Empty:
                 return out
             if cmd[0] == "add":
-                _, request_id, prompt, params = cmd
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.submit(self.engine.prepare(prompt, params, request_id))
-                except SpecstreamError as exc:
-                    out.append((request_id, exc))
-                except Exception as exc:  # noqa: BLE001 - a request that cannot be prepared fails alone
-                    out.append((request_id, RequestFailed(f"request {request_id} could not be prepared: {exc!r}")))
+                    self.engine.submit(cmd[1])
+                except InvalidRequestError as exc:
+                    out.append((cmd[1].request_id, exc))
             else:
                 last = self.engine.abort(cmd[1])
                 if last is not None:
@@ -283,7 +346,12 @@ class AsyncEngine:
         try:
             if self.engine is None:
                 self.engine = Engine(self.config)
+            # The tokenizer thread gets a tokenizer of its own: tokenizers are not safe to
+            # share between threads.
+            self._processor = self.engine.processor.with_tokenizer(copy.deepcopy(self.engine.tokenizer))
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
+            logger.error("the engine could not start: %s", exc, exc_info=exc)
+            self._mark_failed(exc)
             loop.call_soon_threadsafe(ready.set_exception, exc)
             return
         self._running = True
@@ -302,6 +370,5 @@ class AsyncEngine:
                 if chunks:
                     loop.call_soon_threadsafe(self._deliver, [(c.request_id, c) for c in chunks])
         except BaseException as exc:  # noqa: BLE001 - anything here is fatal for every stream
-            self._dead = exc
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine failed: {exc!r}"))
+            logger.critical("fatal engine error; every open stream ends with an error", exc_info=exc)
+            self._mark_failed(exc)

@@ -48,7 +48,11 @@ class EngineConfig:
     dtype/device: "auto" picks bf16 where the hardware runs it natively (else fp32) and cuda
     when present. KV space is kv_cache_tokens slots per model; when None it is derived from
     kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
-    model's own limit, capped by the pool).
+    model's own limit, capped by the pool). max_prompt_chars bounds a prompt's characters before
+    it is tokenized (default: max_model_len * 32). allow_special_tokens_in_content lets text in
+    chat message content that spells a special token (say "<|im_start|>") become that token, as
+    plain templating does; by default it stays text, so no message can forge another turn. seed
+    seeds the engine's draws of seeds for requests that bring none.
     """
 
     model: str = "smollm2-135m"
@@ -62,6 +66,8 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 2**20
     kv_block_size: int = 16
     seed: int = 0
+    max_prompt_chars: int | None = None
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -71,6 +77,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be positive")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.kv_block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
         if self.max_num_batched_tokens < self.speculative.num_speculative_tokens + 1:

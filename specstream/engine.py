@@ -1,14 +1,20 @@
 """Engine: the synchronous, in-process entry point.
 
-It owns the models, the KV pools, the proposer, the k policy and the scheduler. ``step()``
-runs one speculative round over every running sequence: schedule, propose, one packed
-target forward, verify, commit. ``generate()`` loops steps until its requests finish.
+It owns the models, the KV pools, the proposer, the k policy, the scheduler and the input
+processor. ``step()`` runs one speculative round over every running sequence: schedule,
+propose, one packed target forward, verify, update. ``generate()`` loops steps until its
+requests finish.
+
+Failures (DESIGN's fault model): a request with bad parameters never gets here (the input
+processor refuses it); an exception while proposing for or verifying one request fails that
+request alone (the batch is retried one sequence at a time) and the step goes on; an
+exception in the target's forward escapes step(), since the batch cannot go on without it.
 """
 
 from __future__ import annotations
 
-import itertools
-import sys
+import logging
+import random
 import time
 import uuid
 
@@ -17,18 +23,20 @@ import torch
 from specstream.adaptive_k import CostModel, KPolicy, record_round
 from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.config import EngineConfig
-from specstream.detok import IncrementalDetokenizer
-from specstream.kv import KVPool
-from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from specstream.errors import InvalidRequestError
+from specstream.kv import KVPool
 from specstream.metrics import EngineMetrics
+from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
+from specstream.processor import InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
-from specstream.scheduler import Scheduler
+from specstream.scheduler import Scheduler, StepPlan
 from specstream.sequence import Sequence
-from specstream.verify import verify_round
+from specstream.verify import Round, RoundResult, verify_round
+
+logger = logging.getLogger(__name__)
 
 _CALIBRATION_CONTEXT = 64
 
@@ -47,8 +55,8 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[T
     return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
 
 
-def _log(msg: str) -> None:
-    print(f"[specstream] {msg}", file=sys.stderr, flush=True)
+def _cut(draft: Draft, k: int) -> Draft:
+    return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
 
 
 class Engine:
@@ -61,7 +69,6 @@ class Engine:
         source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(source)
         self.model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
-        self.model_name = config.model
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.eos_token_ids = self._eos_ids()
 
@@ -81,13 +88,21 @@ class Engine:
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         self.policy = KPolicy(k_max, spec.adaptive, target_cost, self.proposer.pass_cost)
         self.scheduler = Scheduler(config, self.pool, self.policy, self.proposer.release)
+        self.processor = InputProcessor(
+            tokenizer=self.tokenizer,
+            output_tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            rng=random.Random(config.seed),
+            max_prompt_chars=config.max_prompt_chars,
+            allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+        )
         self._requests: dict[str, Sequence] = {}
-        self._arrivals = itertools.count()
         self.metrics = EngineMetrics()
         if log:
-            _log(
-                f"engine ready in {time.perf_counter() - start:.1f} s: {config.model} ({self.dtype}, {self.device}), "
-                f"speculation {spec.method} k<={k_max}, KV pool {self.pool.capacity} tokens"
+            logger.info(
+                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens",
+                time.perf_counter() - start, config.model, self.dtype, self.device, spec.method, k_max, self.pool.capacity,
             )
 
     # ----------------------------------------------------------------- set-up helpers
@@ -128,7 +143,7 @@ class Engine:
                 f"{len(self.tokenizer)} / {self.vocab_size}); speculative decoding needs the same tokenizer"
             )
         pool = KVPool(*model_geometry(draft.config), self.pool.capacity, self.config.kv_block_size, dtype, self.device)
-        return DraftModelProposer(draft, pool)
+        return DraftModelProposer(draft, pool, max_pass_tokens=self.config.max_num_batched_tokens)
 
     def _calibrate(self, runner: ModelRunner) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
@@ -148,61 +163,18 @@ class Engine:
             pool.free(table)
 
     # ---------------------------------------------------------------------- requests
-    def encode_prompt(self, prompt) -> list[int]:
-        """A string, a list of token ids, or a list of chat messages -> token ids.
-        Raises InvalidRequestError for anything else."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError("each chat message needs a string 'role' and a string 'content'")
-            try:
-                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
-            except Exception as exc:  # noqa: BLE001 - templates raise what they like (jinja errors, ValueError)
-                raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}", param="messages") from exc
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
-        else:
-            raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        return ids
-
     def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
-        """Validate and tokenize a request without touching engine state (safe from any
-        thread); submit() then queues it."""
-        params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                f"so at most {self.max_model_len - 1} prompt tokens leave room for output",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's context is {self.max_model_len} tokens, but {len(ids) + params.max_tokens} were "
-                f"requested ({len(ids)} in the prompt, {params.max_tokens} for the completion); lower max_tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, arrival=-1)
-        seq.max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        return seq
+        """Validate and tokenize a request into a Sequence, without touching engine state
+        (InvalidRequestError when it is refused); submit() then queues it."""
+        return self.processor.process(prompt, params, request_id or uuid.uuid4().hex)
 
     def submit(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
-        seq.arrival = next(self._arrivals)
         self._requests[seq.request_id] = seq
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        self._update_gauges()
         return seq.request_id
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -211,12 +183,12 @@ class Engine:
     def abort(self, request_id: str) -> StreamChunk | None:
         """Stop a request now and free its KV. Returns its last chunk (finish_reason
         "abort", with usage), or None when the request is not in the engine."""
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return None
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
-        self.metrics.finished.labels(finished_reason="abort").inc()
+        self._finish(seq)
+        self._update_gauges()
         return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", Usage(seq.num_prompt_tokens, seq.num_output_tokens))
 
     def has_unfinished(self) -> bool:
@@ -232,97 +204,172 @@ class Engine:
 
     # -------------------------------------------------------------------------- step
     def step(self) -> list[StreamChunk]:
-        """One round over every running sequence; a chunk per sequence that gained tokens."""
-        preempted = self.scheduler.num_preemptions
-        plan = self.scheduler.schedule()
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        """One round over every running sequence: schedule, propose, forward, verify, update.
+        Returns a chunk per sequence that gained tokens or failed."""
+        plan = self._schedule()
         if plan.empty:
             self._update_gauges()
             return []
-        if any(plan.ks):
-            drafts = self.proposer.propose(plan.decodes, plan.ks)
-            drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k]) for d, k in zip(drafts, plan.ks)]
-        else:
-            drafts = [Draft([]) for _ in plan.decodes]
-        items = [ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens)) for s, d in zip(plan.decodes, drafts)]
-        completing = []
-        for seq, n in plan.prefills:
-            done = seq.num_cached + n == len(seq.token_ids)
-            items.append(ForwardItem(seq.block_table, seq.num_cached, seq.token_ids[seq.num_cached : seq.num_cached + n], int(done)))
-            if done:
-                completing.append(seq)
-        logits = self.runner.forward(items)
+        decodes, drafts, outputs = self._propose(plan)
+        completing = [seq for seq, n in plan.prefills if seq.num_cached + n == len(seq.token_ids)]
+        logits = self.runner.forward(self._pack(decodes, drafts, plan.prefills))
         for seq, n in plan.prefills:
             seq.num_cached += n
-        rows = logits.split([1 + len(d.tokens) for d in drafts] + [1] * len(completing))
-        rounds = [(s, d, r) for s, d, r in zip(plan.decodes, drafts, rows)]
-        rounds += [(s, Draft([]), r) for s, r in zip(completing, rows[len(drafts) :])]
-        outputs = []
-        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verify_round(rounds)):
-            try:
-                chunk = self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes)
-                if seq.params.logprobs is not None:
-                    chunk.logprobs = token_logprobs(rows, chunk.token_ids, seq.params.logprobs)
-                outputs.append(chunk)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                outputs.append(self._fail(seq, exc))
+        rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
+        for i, (rnd, result) in enumerate(zip(rounds, self._verify(rounds))):
+            outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
         self._update_gauges()
         return outputs
 
-    def _update_gauges(self) -> None:
-        self.metrics.num_running.set(len(self.scheduler.running))
-        self.metrics.num_waiting.set(len(self.scheduler.waiting))
-        self.metrics.kv_usage.set(self.pool.usage)
+    def _schedule(self) -> StepPlan:
+        preempted = self.scheduler.num_preemptions
+        plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        return plan
 
-    def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
-        seq.finish_reason = "error"
-        self._requests.pop(seq.request_id, None)
-        if not seq.is_finished:
-            self.scheduler.finish(seq)
-        self.metrics.finished.labels(finished_reason="error").inc()
-        return StreamChunk(seq.request_id, "", [], 0, 0, "error", Usage(seq.num_prompt_tokens, seq.num_output_tokens), error=f"{type(exc).__name__}: {exc}")
+    def _propose(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        """Drafts for the decoding sequences, each cut to its k: (the sequences still
+        decoding, their drafts, the chunks of those that failed)."""
+        self.proposer.prefill(plan.prefills)
+        if not any(plan.ks):
+            return plan.decodes, [Draft([]) for _ in plan.decodes], []
+        try:
+            drafts = self.proposer.propose(plan.decodes, plan.ks)
+        except Exception:  # noqa: BLE001 - find the sequence it belongs to
+            return self._propose_one_by_one(plan.decodes, plan.ks)
+        return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
 
-    def _commit(self, seq: Sequence, draft: Draft, accepted: int, tokens: list[int], decoding: bool) -> StreamChunk:
+    def _propose_one_by_one(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        # The failed pass may have left the proposer's state half-advanced: start it afresh.
+        for seq in seqs:
+            self.proposer.release(seq)
+        decodes, drafts, failed = [], [], []
+        for seq, k in zip(seqs, ks):
+            try:
+                draft = self.proposer.propose([seq], [k])[0] if k else Draft([])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed.append(self._fail(seq, exc))
+                continue
+            decodes.append(seq)
+            drafts.append(_cut(draft, k))
+        return decodes, drafts, failed
+
+    @staticmethod
+    def _pack(decodes: list[Sequence], drafts: list[Draft], prefills: list[tuple[Sequence, int]]) -> list[ForwardItem]:
+        """The step's one target forward: each decoding sequence's last token and drafts
+        (logits for all of them), then each prefill chunk (logits for its last token only
+        when the chunk completes the prompt)."""
+        items = [ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens)) for s, d in zip(decodes, drafts)]
+        for seq, n in prefills:
+            done = seq.num_cached + n == len(seq.token_ids)
+            items.append(ForwardItem(seq.block_table, seq.num_cached, seq.token_ids[seq.num_cached : seq.num_cached + n], int(done)))
+        return items
+
+    @staticmethod
+    def _rounds(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> list[Round]:
+        """Split the forward's logits by sequence, in the order _pack laid them out."""
+        rows = logits.split([1 + len(d.tokens) for d in drafts])
+        return [Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)]
+
+    @staticmethod
+    def _verify(rounds: list[Round]) -> list[RoundResult | Exception]:
+        """verify_round over the batch; when it fails, round by round, so that a failure
+        stays with the sequence it belongs to."""
+        try:
+            return verify_round(rounds)
+        except Exception:  # noqa: BLE001 - find the round it belongs to
+            results: list[RoundResult | Exception] = []
+            for rnd in rounds:
+                try:
+                    results.append(verify_round([rnd])[0])
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    results.append(exc)
+            return results
+
+    def _update(self, rnd: Round, result: RoundResult | Exception, decoding: bool) -> StreamChunk:
+        if isinstance(result, Exception):
+            return self._fail(rnd.seq, result)
+        try:
+            return self._commit(rnd, result, decoding)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            return self._fail(rnd.seq, exc)
+
+    def _commit(self, rnd: Round, result: RoundResult, decoding: bool) -> StreamChunk:
+        seq = rnd.seq
         if decoding:
             # The last token and the accepted drafts now have KV; the rejected ones' slots
             # are simply past the length.
-            seq.num_cached += 1 + accepted
+            seq.num_cached += 1 + result.num_accepted
+        new = self._append(seq, result.tokens)
+        # Accepted drafts cut off by a stop or the length limit were never emitted.
+        accepted = min(result.num_accepted, len(new))
+        self._record(seq, rnd.k, accepted, len(new), decoding)
+        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        else:
+            self.proposer.on_commit(seq)
+            self.pool.trim(seq.block_table, len(seq.token_ids))
+        return chunk
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens to seq up to the one that finishes it (EOS, a stop token or string,
+        the length limit), setting its finish_reason; return the tokens appended."""
         params = seq.params
-        new: list[int] = []
-        for tok in tokens:
+        for n, tok in enumerate(tokens, 1):
             seq.token_ids.append(tok)
-            new.append(tok)
             if tok in self.eos_token_ids and not params.ignore_eos or tok in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif seq.detokenizer.add(tok):
                 seq.finish_reason = "stop"
             elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
-            if seq.finish_reason:
-                break
-        seq.stats.record(len(draft.tokens), accepted)
+            if seq.finish_reason is not None:
+                return tokens[:n]
+        return list(tokens)
+
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int, num_emitted: int, decoding: bool) -> None:
+        seq.stats.record(num_drafted, num_accepted)
         if decoding:
-            record_round(seq, len(draft.tokens), accepted)
-        self.metrics.record_round(len(draft.tokens), accepted, len(new))
+            record_round(seq, num_drafted, num_accepted)
+        self.metrics.record_round(num_drafted, num_accepted, num_emitted)
+
+    @staticmethod
+    def _chunk(seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor) -> StreamChunk:
         finished = seq.finish_reason is not None
-        text = seq.detokenizer.take(final=finished)
-        if finished:
-            self._requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-            self.metrics.finished.labels(finished_reason=seq.finish_reason).inc()
-        else:
-            self.proposer.on_commit(seq)
-            self.pool.trim(seq.block_table, len(seq.token_ids))
+        top = seq.params.logprobs
         return StreamChunk(
             request_id=seq.request_id,
-            text=text,
+            text=seq.detokenizer.take(final=finished),
             token_ids=new,
-            num_drafted=len(draft.tokens),
-            num_accepted=accepted,
+            num_drafted=num_drafted,
+            num_accepted=num_accepted,
             finish_reason=seq.finish_reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
+            logprobs=token_logprobs(logits, new, top) if top is not None else None,
         )
+
+    def _finish(self, seq: Sequence) -> None:
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        self.metrics.finished.labels(finished_reason=seq.finish_reason).inc()
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
+        logger.error("request %s failed while generating; the others go on", seq.request_id, exc_info=exc)
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        seq.finish_reason = "error"
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        else:
+            self._finish(seq)
+        error = f"an internal error ({type(exc).__name__}) stopped this request; the engine's log has the details"
+        return StreamChunk(seq.request_id, "", [], 0, 0, "error", usage, error=error)
+
+    def _update_gauges(self) -> None:
+        self.metrics.num_running.set(len(self.scheduler.running))
+        self.metrics.num_waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_usage.set(self.pool.usage)
 
     # ---------------------------------------------------------------------- generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

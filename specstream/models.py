@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.metadata
+import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from specstream.errors import SpecstreamError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_ENV = "SPECSTREAM_CACHE_DIR"
@@ -186,10 +188,6 @@ def _converted_dir(model: BundledModel) -> Path:
     return cache_dir() / "models" / f"{model.alias}-{model.version}-v{_CACHE_FORMAT}"
 
 
-def _log(msg: str) -> None:
-    print(f"[specstream] {msg}", file=sys.stderr, flush=True)
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path):
     """Serialize conversions across processes (replicas sharing one cache volume)."""
@@ -220,26 +218,26 @@ def _convert(model: BundledModel, gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    _log(f"first use of '{model.alias}': converting {gguf.name} into a safetensors cache at {target}")
+    logger.info("first use of '%s': converting %s into a safetensors cache at %s", model.alias, gguf.name, target)
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    _log("[1/3] loading the tokenizer from the GGUF file")
+    logger.info("[1/3] loading the tokenizer from the GGUF file")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _log("[2/3] dequantizing the weights (about 15 s on 2 cores; done once)")
+    logger.info("[2/3] dequantizing the weights (about 15 s on 2 cores; done once)")
     lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model keeps a quantizer that save_pretrained refuses; the dequantized
     # weights are plain tensors, so drop it.
     lm.hf_quantizer = None
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
-    _log("[3/3] writing safetensors and tokenizer files")
+    logger.info("[3/3] writing safetensors and tokenizer files")
     lm.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / ".complete").write_text(f"{model.distribution}=={model.version} {gguf.name}\n")
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    _log(f"converted in {time.perf_counter() - start:.1f} s; later loads read the cache")
+    logger.info("converted in %.1f s; later loads read the cache", time.perf_counter() - start)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

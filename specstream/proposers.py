@@ -29,6 +29,10 @@ class Proposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
 
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """The target is fed these prefill chunks (sequence, length) this step: a proposer
+        with a KV cache of its own feeds them too, so it never catches up a whole prompt at once."""
+
     def pass_cost(self, num_seqs: int) -> float:
         """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
         return 0.0
@@ -71,48 +75,82 @@ class NgramProposer(Proposer):
 
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's vocabulary, run batched: one packed pass per
-    draft position over all drafting sequences, with its own KV pool and rollback."""
+    draft position over all drafting sequences, with its own KV pool and rollback.
 
-    def __init__(self, model, pool: KVPool, cost=None) -> None:
+    Its cache follows the target's: prompts are fed in the target's prefill chunks, and a
+    sequence that did not draft for a while (k = 0 rounds feed nothing) catches up by at most
+    max_pass_tokens per step, drafting only once it is level, so no pass is longer than a
+    target step may be."""
+
+    def __init__(self, model, pool: KVPool, max_pass_tokens: int, cost=None) -> None:
         self.runner = ModelRunner(model, pool)
         self.pool = pool
+        self.max_pass_tokens = max_pass_tokens
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
-        self._state: dict[str, list] = {}  # request_id -> [block_table, num_cached]
+        self._state: dict[str, list] = {}  # request_id -> [block_table, num_fed]
 
     def pass_cost(self, num_seqs: int) -> float:
         return self.cost(num_seqs) if self.cost is not None else 0.0
 
+    def prefill(self, chunks):
+        items = []
+        for seq, n in chunks:
+            state = self._state.setdefault(seq.request_id, [[], 0])
+            table, fed = state
+            # Only a cache level with the target's follows it; any other catches up in propose().
+            if fed == seq.num_cached and self.pool.reserve(table, fed + n):
+                items.append(ForwardItem(table, fed, seq.token_ids[fed : fed + n], 0))
+                state[1] = fed + n
+        if items:
+            self.runner.forward(items)
+
     def propose(self, seqs, ks):
-        drafts = [Draft([], None) for _ in seqs]
-        active = []
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            if k <= 0:
-                continue
-            table, _ = self._state.setdefault(seq.request_id, [[], 0])
-            # Positions up to len + k - 2 are fed (the last draft is never fed).
-            if self.pool.reserve(table, len(seq.token_ids) + k - 1):
-                active.append(i)
+        drafts = [Draft([]) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active, items = self._first_pass(seqs, ks)
         step = 0
-        while active:
-            items = []
-            for i in active:
-                seq, state = seqs[i], self._state[seqs[i].request_id]
-                if step == 0:
-                    new = seq.token_ids[state[1] :]
-                else:
-                    new = [drafts[i].tokens[-1]]
+        while active or items:
+            for i, new in active.items():
+                state = self._state[seqs[i].request_id]
                 items.append(ForwardItem(state[0], state[1], new, 1))
                 state[1] += len(new)
             logits = self.runner.forward(items)
-            self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
+            self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], [probs[i] for i in active], step)
             step += 1
-            active = [i for i in active if ks[i] > step]
-        for d in drafts:
-            if d.probs:
-                d.probs = torch.stack(d.probs)
+            active = {i: [drafts[i].tokens[-1]] for i in active if ks[i] > step}
+            items = []
+        for d, p in zip(drafts, probs):
+            if p:
+                d.probs = torch.stack(p)
         return drafts
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
+    def _first_pass(self, seqs: list[Sequence], ks: list[int]) -> tuple[dict[int, list[int]], list[ForwardItem]]:
+        """What each drafting sequence feeds first: everything not yet fed, within
+        max_pass_tokens. A sequence that does not fit catches up by what room is left (an
+        item without logits, returned to ride along in the first pass) and drafts nothing
+        this round."""
+        active: dict[int, list[int]] = {}
+        catch_up: list[ForwardItem] = []
+        room = self.max_pass_tokens
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k <= 0 or room <= 0:
+                continue
+            state = self._state.setdefault(seq.request_id, [[], 0])
+            table, fed = state
+            # Positions up to len + k - 2 are fed (the last draft is never fed).
+            if not self.pool.reserve(table, len(seq.token_ids) + k - 1):
+                continue
+            new = seq.token_ids[fed:]
+            if len(new) <= room:
+                active[i] = new
+            else:
+                catch_up.append(ForwardItem(table, fed, new[:room], 0))
+                state[1] = fed + room
+            room -= len(new)
+        return active, catch_up
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list], step: int) -> None:
+        """Append each sequence's next draft (argmax, or a sample from q) and, when sampled, its q."""
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         greedy_ids = logits.argmax(-1).tolist()
         for j, d in enumerate(drafts):
@@ -120,17 +158,16 @@ class DraftModelProposer(Proposer):
                 d.tokens.append(greedy_ids[j])
         if not sampled:
             return
-        probs = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
+        q = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
         us = torch.tensor(
             [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
             dtype=torch.float64,
             device=logits.device,
         )
-        tokens = sample_from(probs, us).tolist()
+        tokens = sample_from(q, us).tolist()
         for row, j in enumerate(sampled):
-            d = drafts[j]
-            d.tokens.append(tokens[row])
-            d.probs = (d.probs or []) + [probs[row]]
+            drafts[j].tokens.append(tokens[row])
+            probs[j].append(q[row])
 
     def on_commit(self, seq):
         state = self._state.get(seq.request_id)

@@ -19,15 +19,26 @@ _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
 GREEDY_EPS = 1e-5
+# Caps on what one request may ask for: each bounds work done per request per round.
+MAX_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # a stop string's length is held back from the stream
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
 class SamplingParams:
+    """How one request samples. Every field is checked on creation (InvalidRequestError
+    naming the field); the limits that depend on the model (top_k and stop_token_ids within
+    its vocabulary, max_tokens within its context) are checked by the engine's input
+    processor before admission."""
+
     max_tokens: int | None = 16  # None: up to the model's context
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    top_k: int = 0  # 0 disables it
+    seed: int | None = None  # any integer; requests without one get a seed from the engine
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     presence_penalty: float = 0.0
@@ -38,28 +49,26 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise InvalidRequestError(f"{name} must be a finite number")
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidRequestError("max_tokens must be a positive integer", param="max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs must be between 0 and 20", param="logprobs")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise InvalidRequestError("num_speculative_tokens must be >= 0", param="num_speculative_tokens")
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise InvalidRequestError("top_k must be >= 0 (0 disables it)")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise InvalidRequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+        if self.max_tokens is not None:
+            _integer(self.max_tokens, "max_tokens", low=1)
+        self.temperature = _real(self.temperature, "temperature", low=0.0)
+        self.top_p = _real(self.top_p, "top_p", low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        _integer(self.top_k, "top_k", low=0)
+        if self.seed is not None:
+            _integer(self.seed, "seed")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.presence_penalty = _real(self.presence_penalty, "presence_penalty", low=-2.0, high=2.0)
+        self.frequency_penalty = _real(self.frequency_penalty, "frequency_penalty", low=-2.0, high=2.0)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false", param=name)
+        if self.logprobs is not None:
+            _integer(self.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
+        if self.num_speculative_tokens is not None:
+            _integer(self.num_speculative_tokens, "num_speculative_tokens", low=0, high=MAX_SPECULATIVE_TOKENS)
 
     @property
     def greedy(self) -> bool:
@@ -70,11 +79,62 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def _integer(value, name: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if low is not None and high is not None else f">= {low}" if low is not None else f"<= {high}"
+        raise InvalidRequestError(f"{name} must be {bounds}, got {value}", param=name)
+    return value
+
+
+def _real(value, name: str, low: float, high: float | None = None) -> float:
+    """A finite number within [low, high], as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number", param=name)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range
+        value = math.inf
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        bounds = f"in [{low:g}, {high:g}]" if high is not None else f"a finite number >= {low:g}"
+        raise InvalidRequestError(f"{name} must be {bounds}", param=name)
+    return value
+
+
+def _stop_strings(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is None:
+        return []
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+    if any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop):
+        raise InvalidRequestError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters", param="stop")
+    return list(stop)
+
+
+def _stop_token_ids(ids) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
+    if any(t < 0 for t in ids):
+        raise InvalidRequestError("stop_token_ids must be >= 0", param="stop_token_ids")
+    return list(ids)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def reduce_seed(seed: int) -> int:
+    """Any integer seed (negative or beyond 64 bits) as the 64 bits that uniform() reads."""
+    return seed & _MASK64
 
 
 def uniform(seed: int, position: int, stream: int) -> float:

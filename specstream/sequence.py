@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import random
 from dataclasses import dataclass, field
 
-from specstream.sampling import SamplingParams
+from specstream.detok import IncrementalDetokenizer
+from specstream.sampling import SamplingParams, reduce_seed
 
 
 class SequenceStatus(enum.Enum):
@@ -44,22 +44,34 @@ class SpecStats:
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: int) -> None:
+    """Built whole by the engine's InputProcessor. seed is the request's own when it has one,
+    else the one the engine drew for it; max_tokens is the completion's limit, resolved
+    against the context (default: params.max_tokens)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+        *,
+        seed: int = 0,
+        max_tokens: int | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
-        # Each request draws its own seed when it has none, even when requests share one
-        # SamplingParams object.
-        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.seed = reduce_seed(params.seed if params.seed is not None else seed)
         self.arrival = arrival  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0  # positions whose KV is in the target pool
         self.finish_reason: str | None = None
         self.stats = SpecStats()
-        self.max_tokens = params.max_tokens  # resolved against the context by the engine
-        self.detokenizer = None  # IncrementalDetokenizer, set by the engine
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
+        self.detokenizer = detokenizer
         # Acceptance history for the adaptive k policy (exponentially decayed counts).
         self.accept_mass = 0.0
         self.reject_mass = 0.0

@@ -20,9 +20,13 @@ samples the same tokens whether or not drafts were offered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from specstream.proposers import Draft
 from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, probabilities_for, sample_from, uniform
+from specstream.sequence import Sequence
 
 
 def accepted_prefix(matches: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -76,85 +80,122 @@ def accept_rejection_sampling(
     return num_accepted, sample_from(residual, sample_uniforms.gather(1, num_accepted[:, None]).squeeze(1))
 
 
-def _pad(rows: list[list[int]], width: int, device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
-    return out
+@dataclass
+class Round:
+    """One sequence's part of a verification step."""
+
+    seq: Sequence
+    draft: Draft
+    logits: torch.Tensor  # [len(draft.tokens) + 1, V]: row i is the target after draft i (row 0: after the last token)
+
+    @property
+    def k(self) -> int:
+        return len(self.draft.tokens)
 
 
-def verify_round(rounds: list) -> list[tuple[int, list[int]]]:
-    """Accept or reject each sequence's drafts for one round.
+@dataclass
+class RoundResult:
+    num_accepted: int  # drafts the target kept
+    tokens: list[int]  # to emit: the accepted drafts, then the recovered or bonus token
 
-    rounds: (sequence, draft, logits [len(draft.tokens) + 1, V]) per sequence. Returns, per
-    sequence, (number of drafts accepted, tokens to emit = accepted drafts + one more).
-    """
-    results: list[tuple[int, list[int]] | None] = [None] * len(rounds)
+
+def verify_round(rounds: list[Round]) -> list[RoundResult]:
+    """Accept or reject each sequence's drafts for one round: greedy rows by matching the
+    target's argmax, sampled rows by matching a sample (one-hot proposals) or by rejection
+    sampling (proposals with known q)."""
+    logits = [_penalize(r) for r in rounds]
+    greedy = [i for i, r in enumerate(rounds) if r.seq.params.greedy]
+    sampled = [i for i, r in enumerate(rounds) if not r.seq.params.greedy]
+    probs = dict(zip(sampled, _probabilities([rounds[i] for i in sampled], [logits[i] for i in sampled])))
+    with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k]
+    one_hot = [i for i in sampled if i not in with_q]
+    results: list[RoundResult | None] = [None] * len(rounds)
+    for idx, verify, inputs in (
+        (greedy, _verify_greedy, logits),
+        (one_hot, _verify_one_hot, probs),
+        (with_q, _verify_with_q, probs),
+    ):
+        if idx:
+            group = [rounds[i] for i in idx]
+            num_accepted, next_token = verify(group, [inputs[i] for i in idx])
+            for i, r, a, t in zip(idx, group, num_accepted.tolist(), next_token.tolist()):
+                results[i] = RoundResult(a, r.draft.tokens[:a] + [t])
+    return results
+
+
+def _penalize(r: Round) -> torch.Tensor:
+    """The round's logits with presence/frequency penalties over the output so far, each
+    row counting the drafts before it as generated."""
+    p = r.seq.params
+    if not p.has_penalties:
+        return r.logits
+    rows, vocab, device = r.logits.shape[0], r.logits.shape[-1], r.logits.device
+    counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+    counts = counts.to(device=device, dtype=r.logits.dtype).expand(rows, -1).clone()
+    for i, tok in enumerate(r.draft.tokens):
+        counts[i + 1 :, tok] += 1
+    presence = torch.full((rows,), p.presence_penalty, device=device)
+    frequency = torch.full((rows,), p.frequency_penalty, device=device)
+    return apply_penalties(r.logits, counts, presence, frequency)
+
+
+def _probabilities(rounds: list[Round], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sampled round's target distributions, computed in one batch."""
     if not rounds:
         return []
-    device = rounds[0][2].device
-    logits = []
-    for seq, draft, rows in rounds:
-        p = seq.params
-        if p.has_penalties:
-            vocab = rows.shape[-1]
-            counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
-            counts = counts.to(device=device, dtype=rows.dtype).expand(len(draft.tokens) + 1, -1).clone()
-            for i, tok in enumerate(draft.tokens):
-                counts[i + 1 :, tok] += 1
-            n = rows.shape[0]
-            rows = apply_penalties(rows, counts, torch.full((n,), p.presence_penalty, device=device), torch.full((n,), p.frequency_penalty, device=device))
-        logits.append(rows)
+    sizes = [x.shape[0] for x in logits]
+    row_params = [r.seq.params for r, n in zip(rounds, sizes) for _ in range(n)]
+    return list(probabilities_for(torch.cat(logits), row_params).split(sizes))
 
-    def store(idx: list[int], acc: torch.Tensor, nxt: torch.Tensor) -> None:
-        for j, i in enumerate(idx):
-            a = int(acc[j])
-            results[i] = (a, rounds[i][1].tokens[:a] + [int(nxt[j])])
 
-    def by_match(idx: list[int], choices: list[torch.Tensor]) -> None:
-        k = max(len(rounds[i][1].tokens) for i in idx)
-        targets = torch.stack([torch.nn.functional.pad(c, (0, k + 1 - len(c))) for c in choices])
-        drafts = _pad([rounds[i][1].tokens for i in idx], k, device)
-        num = torch.tensor([len(rounds[i][1].tokens) for i in idx], device=device)
-        store(idx, *accept_by_match(targets, drafts, num))
+def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _match(rounds, [x.argmax(-1) for x in logits])
 
-    greedy = [i for i, (s, _, _) in enumerate(rounds) if s.params.greedy]
-    if greedy:
-        by_match(greedy, [logits[i].argmax(-1) for i in greedy])
-    sampled = [i for i, (s, _, _) in enumerate(rounds) if not s.params.greedy]
-    if not sampled:
-        return results
-    sizes = [logits[i].shape[0] for i in sampled]
-    row_params = [rounds[i][0].params for i, n in zip(sampled, sizes) for _ in range(n)]
-    probs = dict(zip(sampled, probabilities_for(torch.cat([logits[i] for i in sampled]), row_params).split(sizes)))
-    with_q = [i for i in sampled if rounds[i][1].probs is not None and rounds[i][1].tokens]
-    one_hot = [i for i in sampled if i not in with_q]
-    if one_hot:
-        choices = []
-        for i in one_hot:
-            seq = rounds[i][0]
-            pos = seq.num_output_tokens
-            us = torch.tensor([uniform(seq.seed, pos + j, STREAM_SAMPLE) for j in range(probs[i].shape[0])], dtype=torch.float64, device=device)
-            choices.append(sample_from(probs[i], us))
-        by_match(one_hot, choices)
-    if with_q:
-        k = max(len(rounds[i][1].tokens) for i in with_q)
-        vocab = probs[with_q[0]].shape[-1]
-        p = torch.zeros((len(with_q), k + 1, vocab), device=device)
-        q = torch.zeros((len(with_q), k, vocab), device=device)
-        acc_u = torch.zeros((len(with_q), k), dtype=torch.float64, device=device)
-        smp_u = torch.zeros((len(with_q), k + 1), dtype=torch.float64, device=device)
-        for j, i in enumerate(with_q):
-            seq, draft = rounds[i][0], rounds[i][1]
-            n, pos = len(draft.tokens), seq.num_output_tokens
-            p[j, : n + 1] = probs[i]
-            q[j, :n] = draft.probs[:, :vocab]
-            acc_u[j, :n] = torch.tensor([uniform(seq.seed, pos + t, STREAM_ACCEPT) for t in range(n)], dtype=torch.float64)
-            # The recovered/bonus token uses the uniform of the position it lands on, so no
-            # later round can draw with the same one.
-            smp_u[j, : n + 1] = torch.tensor([uniform(seq.seed, pos + t, STREAM_SAMPLE) for t in range(n + 1)], dtype=torch.float64)
-        drafts = _pad([rounds[i][1].tokens for i in with_q], k, device)
-        num = torch.tensor([len(rounds[i][1].tokens) for i in with_q], device=device)
-        store(with_q, *accept_rejection_sampling(p, q, drafts, num, acc_u.to(p.dtype), smp_u))
-    return results
+
+def _verify_one_hot(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i."""
+    choices = []
+    for r, p in zip(rounds, probs):
+        us = _uniforms(r.seq, p.shape[0], STREAM_SAMPLE, p.device)
+        choices.append(sample_from(p, us))
+    return _match(rounds, choices)
+
+
+def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    k = max(r.k for r in rounds)
+    vocab, device = probs[0].shape[-1], probs[0].device
+    p = torch.zeros((len(rounds), k + 1, vocab), device=device)
+    q = torch.zeros((len(rounds), k, vocab), device=device)
+    accept_u = torch.zeros((len(rounds), k), dtype=torch.float64, device=device)
+    sample_u = torch.zeros((len(rounds), k + 1), dtype=torch.float64, device=device)
+    for j, (r, probs_j) in enumerate(zip(rounds, probs)):
+        p[j, : r.k + 1] = probs_j
+        q[j, : r.k] = r.draft.probs[:, :vocab]
+        accept_u[j, : r.k] = _uniforms(r.seq, r.k, STREAM_ACCEPT, device)
+        # The recovered/bonus token uses the uniform of the position it lands on, so no
+        # later round can draw with the same one.
+        sample_u[j, : r.k + 1] = _uniforms(r.seq, r.k + 1, STREAM_SAMPLE, device)
+    drafts, num_drafts = _drafts(rounds, k, device)
+    return accept_rejection_sampling(p, q, drafts, num_drafts, accept_u.to(p.dtype), sample_u)
+
+
+def _match(rounds: list[Round], choices: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_by_match over rounds of different k: choices[j] is round j's target token per row."""
+    k = max(r.k for r in rounds)
+    targets = torch.stack([torch.nn.functional.pad(c, (0, k + 1 - len(c))) for c in choices])
+    return accept_by_match(targets, *_drafts(rounds, k, targets.device))
+
+
+def _drafts(rounds: list[Round], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts padded to k [B, k], and each round's number of drafts [B]."""
+    out = torch.zeros((len(rounds), k), dtype=torch.long, device=device)
+    for j, r in enumerate(rounds):
+        if r.k:
+            out[j, : r.k] = torch.tensor(r.draft.tokens, dtype=torch.long, device=device)
+    return out, torch.tensor([r.k for r in rounds], device=device)
+
+
+def _uniforms(seq: Sequence, n: int, stream: int, device) -> torch.Tensor:
+    """The uniforms of the next n output positions of seq in one stream."""
+    pos = seq.num_output_tokens
+    return torch.tensor([uniform(seq.seed, pos + t, stream) for t in range(n)], dtype=torch.float64, device=device)

@@ -2,6 +2,7 @@
 and an event loop that never waits on model compute."""
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -158,23 +159,25 @@ async def test_prompt_longer_than_context_fails_before_compute(tiny_model_dir):
         assert ae.is_healthy
 
 
-async def test_one_failing_request_does_not_harm_the_others(tiny_model_dir, aengine):
+async def test_one_failing_request_does_not_harm_the_others(tiny_model_dir, aengine, caplog):
     engine = aengine.engine
-    real_prepare = engine.prepare
+    real_submit = engine.submit
 
-    def prepare(prompt, params, request_id):
-        seq = real_prepare(prompt, params, request_id)
-        if request_id.startswith("bad#"):
+    def submit(seq):
+        if seq.request_id.startswith("bad#"):
             def explode(token_id):
                 raise RuntimeError("detokenizer broke")
             seq.detokenizer.add = explode
-        return seq
+        return real_submit(seq)
 
-    engine.prepare = prepare
+    engine.submit = submit
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     good = [asyncio.create_task(aengine.generate(p, params)) for p in PROMPTS[:4]]
-    with pytest.raises(RequestFailed, match="detokenizer broke"):
+    with caplog.at_level(logging.ERROR, logger="specstream"), pytest.raises(RequestFailed) as failed:
         await aengine.generate(PROMPTS[0], params, request_id="bad")
+    # The client's message names no internal id and no internal detail; the log has both.
+    assert "bad" not in str(failed.value) and "#" not in str(failed.value) and "RuntimeError" in str(failed.value)
+    assert any("bad#" in r.getMessage() and "detokenizer broke" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
     outs = await asyncio.gather(*good)
     assert all(len(o.token_ids) == 20 for o in outs)
     assert aengine.is_healthy

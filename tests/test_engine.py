@@ -188,7 +188,7 @@ def test_logprobs_match_the_reference_model_with_and_without_speculation(tiny_mo
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     prompt = PROMPTS[0]
-    ids = plain.encode_prompt(prompt)
+    ids = plain.processor.encode(prompt)
     spec = engine(tiny_model_dir, "ngram", k=4)
     chunks = []
     spec.add_request(prompt, params, request_id="lp")
@@ -232,19 +232,19 @@ def test_recovered_tokens_do_not_reuse_a_later_rounds_uniform():
     start one position apart must not always agree."""
     from specstream.proposers import Draft
     from specstream.sequence import Sequence
-    from specstream.verify import verify_round
+    from specstream.verify import Round, verify_round
 
     p = torch.tensor([0.4, 0.3, 0.3]).log()
     same = both = 0
     for seed in range(400):
         seq = Sequence("r", [1], SamplingParams(max_tokens=10, temperature=1.0, seed=seed), 0)
         q = torch.tensor([[1.0, 0.0, 0.0]] * 2)
-        a1, t1 = verify_round([(seq, Draft([0, 0], q), p.expand(3, -1).clone())])[0]
-        if a1 != 0:
+        first = verify_round([Round(seq, Draft([0, 0], q), p.expand(3, -1).clone())])[0]
+        if first.num_accepted != 0:
             continue
-        seq.token_ids += t1
-        a2, t2 = verify_round([(seq, Draft([0], q[:1]), p.expand(2, -1).clone())])[0]
-        if a2 == 0:
+        seq.token_ids += first.tokens
+        second = verify_round([Round(seq, Draft([0], q[:1]), p.expand(2, -1).clone())])[0]
+        if second.num_accepted == 0:
             both += 1
-            same += t1[-1] == t2[-1]
+            same += first.tokens[-1] == second.tokens[-1]
     assert both > 50 and same < both * 0.8
