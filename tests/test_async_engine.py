@@ -143,7 +143,7 @@ async def test_queue_full_is_a_clear_error(tiny_model_dir):
     async with AsyncEngine(engine=engine, max_waiting=3) as ae:
         streams = [ae.stream(PROMPTS[0], SamplingParams(max_tokens=4)) for _ in range(3)]
         firsts = [asyncio.create_task(s.__anext__()) for s in streams]
-        await wait_for(lambda: engine.num_waiting == 3)
+        await wait_for(lambda: ae.num_waiting == 3)
         with pytest.raises(QueueFull):
             await ae.stream(PROMPTS[0], SamplingParams(max_tokens=4)).__anext__()
         release.set()

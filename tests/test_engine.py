@@ -248,3 +248,120 @@ def test_recovered_tokens_do_not_reuse_a_later_rounds_uniform():
             both += 1
             same += first.tokens[-1] == second.tokens[-1]
     assert both > 50 and same < both * 0.8
+
+
+def test_top_k_beyond_the_vocabulary_is_refused_and_the_engine_goes_on(plain):
+    from specstream.errors import InvalidRequestError
+
+    for temperature in (1.0, 0.0):
+        with pytest.raises(InvalidRequestError) as refused:
+            plain.add_request(PROMPTS[0], SamplingParams(temperature=temperature, top_k=2**70))
+        assert refused.value.param == "top_k"
+    assert not plain.has_unfinished()
+    out = plain.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=1.0, top_k=plain.vocab_size, seed=1))[0]
+    assert len(out.token_ids) == 5
+
+
+def run_all(e: Engine, requests: dict[str, tuple]) -> dict[str, list]:
+    """Submit prepared requests; step until done; chunks by request id."""
+    chunks: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params, spoil) in requests.items():
+        seq = e.prepare(prompt, params, rid)
+        spoil(seq)
+        e.submit(seq)
+    while e.has_unfinished():
+        for c in e.step():
+            chunks[c.request_id].append(c)
+    return chunks
+
+
+def break_top_k(seq):
+    # Past validation, as a bug elsewhere might: this overflows when sampling tensors are built.
+    seq.params.top_k = 2**70
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_request_that_raises_inside_the_step_fails_alone(tiny_model_dir, tiny_draft_dir, plain, method):
+    """With n-gram drafts the bad request breaks batched verification; with a draft model, the
+    batched proposal. Either way it ends with an error chunk and the others finish: as they
+    would alone, except that sampled requests beside a draft model may draw other (equally
+    distributed) tokens, since the retry restarts the draft model's cache."""
+    e = engine(tiny_model_dir, method, k=3, spec={"draft_model": str(tiny_draft_dir)} if method == "draft" else {})
+    sampled = lambda s: SamplingParams(max_tokens=20, temperature=0.9, seed=s, ignore_eos=True)  # noqa: E731
+    keep = lambda seq: None  # noqa: E731
+    good = {f"good{i}": (PROMPTS[i], sampled(i) if i % 2 else GREEDY, keep) for i in range(4)}
+    chunks = run_all(e, {**good, "bad": (PROMPTS[0], sampled(9), break_top_k)})
+    assert chunks["bad"][-1].finish_reason == "error" and chunks["bad"][-1].error
+    for rid, (prompt, params, _) in good.items():
+        tokens = [t for c in chunks[rid] for t in c.token_ids]
+        assert chunks[rid][-1].finish_reason == "length" and len(tokens) == params.max_tokens
+        if method == "ngram" or params.greedy:
+            assert tokens == plain.generate(prompt, params)[0].token_ids[: params.max_tokens]
+    assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
+def test_accepted_drafts_cut_by_a_limit_or_a_stop_do_not_count(tiny_model_dir):
+    """A draft identical to the target has every draft accepted; the tokens past max_tokens or
+    a stop token were accepted but never emitted, so they must not count."""
+    spec = engine(tiny_model_dir, "draft", k=4, spec={"draft_model": str(tiny_model_dir)})
+    full = spec.generate(PROMPTS[0], GREEDY)[0].token_ids
+    cut = spec.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    # Round 1 (the prompt) emits one token; round 2 accepts 4 drafts but may emit only 2.
+    assert cut.token_ids == full[:3] and cut.stats.accepted == 2 and cut.stats.drafted == 4
+    stop = spec.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[full[2]]))[0]
+    first_stop = full.index(full[2])
+    assert stop.token_ids == full[: first_stop + 1] and stop.stats.accepted <= first_stop
+    fresh = engine(tiny_model_dir, "draft", k=4, spec={"draft_model": str(tiny_model_dir)})
+    fresh.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert fresh.metrics.registry.get_sample_value("specstream_spec_decode_num_accepted_tokens_total") == 2
+
+
+def test_unseeded_requests_follow_the_engine_seed_not_the_global_random(tiny_model_dir):
+    import random
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    outs = []
+    for engine_seed, global_seed in ((7, 0), (7, 1), (8, 0)):
+        random.seed(global_seed)
+        e = engine(tiny_model_dir, seed=engine_seed)
+        outs.append([o.token_ids for o in e.generate(PROMPTS[:3], params)])
+    assert outs[0] == outs[1] != outs[2]
+
+
+def test_gauges_are_fresh_after_submit_and_abort_without_a_step(tiny_model_dir):
+    e = engine(tiny_model_dir)
+    names = ("specstream_num_requests_running", "specstream_num_requests_waiting", "specstream_kv_cache_usage_perc")
+    gauges = lambda: tuple(e.metrics.registry.get_sample_value(n) for n in names)  # noqa: E731
+    rid = e.add_request(PROMPTS[0], GREEDY)
+    assert gauges() == (0, 1, 0.0)
+    e.step()
+    assert gauges()[:2] == (1, 0) and gauges()[2] > 0
+    e.abort(rid)
+    assert gauges() == (0, 0, 0.0)
+
+
+def test_the_draft_model_follows_the_targets_prefill_chunks(tiny_model_dir, tiny_draft_dir, plain):
+    e = engine(tiny_model_dir, "draft", k=3, max_num_batched_tokens=16, spec={"draft_model": str(tiny_draft_dir)})
+    fed = []
+    real = e.proposer.runner.forward
+    e.proposer.runner.forward = lambda items: (fed.append(sum(len(i.tokens) for i in items)), real(items))[1]
+    prompt = list(range(20, 140))  # 120 tokens: eight chunks
+    assert e.generate(prompt, GREEDY)[0].token_ids == plain.generate(prompt, GREEDY)[0].token_ids
+    assert max(fed) <= 16 and sum(fed) >= len(prompt)
+
+
+def test_a_draft_model_catches_up_within_the_step_budget(tiny_model_dir, tiny_draft_dir):
+    """A sequence the draft model has not seen (k = 0 rounds feed it nothing) catches up by at
+    most max_num_batched_tokens per step and drafts once level."""
+    e = engine(tiny_model_dir, "draft", k=3, max_num_batched_tokens=8, spec={"draft_model": str(tiny_draft_dir)})
+    fed = []
+    real = e.proposer.runner.forward
+    e.proposer.runner.forward = lambda items: (fed.append(sum(len(i.tokens) for i in items)), real(items))[1]
+    seq = e.prepare(list(range(5, 45)), GREEDY, "lagging")  # 40 tokens never fed to the draft model
+    drafted = []
+    for _ in range(6):
+        drafted.append(len(e.proposer.propose([seq], [3])[0].tokens))
+        e.proposer.on_commit(seq)  # a round that accepted nothing
+    assert drafted == [0, 0, 0, 0, 3, 3]
+    assert max(fed) <= 8
+    e.proposer.release(seq)

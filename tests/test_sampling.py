@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from specstream.sampling import SamplingParams, apply_penalties, probabilities, uniform
+from specstream.errors import InvalidRequestError
+from specstream.sampling import SamplingParams, apply_penalties, probabilities, reduce_seed, uniform
 
 
 def test_uniform_is_a_pure_function_of_seed_position_and_stream():
@@ -61,6 +62,52 @@ def test_penalties_subtract_frequency_and_presence():
 def test_bad_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": -(2**70)}, "top_k"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+        ({"presence_penalty": 2**70}, "presence_penalty"),
+        ({"frequency_penalty": "0"}, "frequency_penalty"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": 2.0}, "logprobs"),
+        ({"num_speculative_tokens": 65}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ],
+)
+def test_every_field_is_bounded_and_the_error_names_it(kwargs, param):
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(**kwargs)
+    assert refused.value.param == param
+
+
+def test_any_integer_seed_is_accepted_and_reduced_to_64_bits():
+    assert reduce_seed(2**70 + 5) == 5 and reduce_seed(-1) == 2**64 - 1
+    assert uniform(reduce_seed(-1), 3, 0) == uniform(-1, 3, 0)
+    assert SamplingParams(seed=-(2**200)).seed == -(2**200)
+
+
+def test_integer_temperatures_and_penalties_become_floats():
+    params = SamplingParams(temperature=1, presence_penalty=-2, top_p=1)
+    assert isinstance(params.temperature, float) and isinstance(params.presence_penalty, float) and isinstance(params.top_p, float)
 
 
 def test_stop_string_becomes_list():
