@@ -184,7 +184,7 @@ async def test_one_failing_request_does_not_harm_the_others(tiny_model_dir, aeng
     await wait_for(lambda: engine.pool.num_free_blocks == engine.pool.num_blocks)
 
 
-async def test_fatal_engine_error_fails_every_stream_and_marks_unhealthy(tiny_model_dir):
+async def test_fatal_engine_error_fails_every_stream_and_marks_unhealthy(tiny_model_dir, caplog):
     engine = make_engine(tiny_model_dir)
     async with AsyncEngine(engine=engine) as ae:
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -195,9 +195,12 @@ async def test_fatal_engine_error_fails_every_stream_and_marks_unhealthy(tiny_mo
             raise RuntimeError("device lost")
 
         engine.runner.forward = broken
-        results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 10)
+        with caplog.at_level(logging.CRITICAL, logger="specstream"):
+            results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results)
-        assert not ae.is_healthy
+        assert not ae.is_healthy and ae.state == "failed" and str(ae.failure) == "device lost"
+        assert str(await asyncio.wait_for(ae.wait_failed(), 1)) == "device lost"
+        assert any(r.exc_info and str(r.exc_info[1]) == "device lost" for r in caplog.records), "logged with its traceback"
         with pytest.raises(EngineDeadError):
             await ae.generate(PROMPTS[0], params)
 
@@ -327,3 +330,85 @@ async def test_stop_aborts_requests_left_behind(tiny_model_dir):
     with pytest.raises(EngineDeadError):
         await task
     assert not engine.has_unfinished() and engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+async def test_oversized_prompts_never_stall_a_running_stream(tiny_model_dir, aengine):
+    """20 prompts of about 4 MB each (strings and chat messages) arrive while a stream runs:
+    each is refused as too long, and the stream's worst gap between chunks stays under 1 s
+    and within a generous multiple of its own worst gap before they came."""
+    stream = aengine.stream(PROMPTS[0], SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+    arrivals = []
+
+    async def consume():
+        async for _ in stream:
+            arrivals.append(time.perf_counter())
+
+    consumer = asyncio.create_task(consume())
+    await wait_for(lambda: len(arrivals) >= 40)
+    baseline = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    flood_start = len(arrivals) - 1
+    huge = "word " * 800_000  # 4 MB
+    floods = [huge if i % 2 else [{"role": "user", "content": huge}] for i in range(20)]
+    results = await asyncio.gather(*(aengine.generate(p, SamplingParams(max_tokens=4)) for p in floods), return_exceptions=True)
+    n = len(arrivals)
+    await wait_for(lambda: len(arrivals) >= n + 10)
+    consumer.cancel()
+    assert all(isinstance(r, InvalidRequestError) and r.code == "context_length_exceeded" and r.param == "prompt" for r in results)
+    during = arrivals[flood_start:]
+    worst = max(b - a for a, b in zip(during, during[1:]))
+    assert worst < 1.0 and worst < 20 * baseline + 0.05, f"worst gap {worst:.3f} s, baseline {baseline:.3f} s"
+
+
+async def test_prompts_are_tokenized_off_the_loop_and_the_engine_thread_with_their_own_tokenizer(aengine):
+    tok = aengine.tokenizer
+    assert tok is not aengine.engine.tokenizer
+    threads = []
+    for name in ("encode", "apply_chat_template"):
+        real = getattr(tok, name)
+
+        def spy(*args, _real=real, **kw):
+            threads.append(threading.current_thread().name)
+            return _real(*args, **kw)
+
+        setattr(tok, name, spy)
+    await aengine.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+    await aengine.generate(PROMPTS[4], SamplingParams(max_tokens=2))
+    assert len(threads) >= 2 and all(t.startswith("specstream-tokenizer") for t in threads)
+
+
+async def test_a_failed_model_load_is_state_failed_and_logged(caplog):
+    from specstream import ModelError
+
+    ae = AsyncEngine(EngineConfig(model="./no/such/model"))
+    with caplog.at_level(logging.ERROR, logger="specstream"), pytest.raises(ModelError):
+        await ae.start()
+    assert ae.state == "failed" and isinstance(ae.failure, ModelError)
+    assert isinstance(await asyncio.wait_for(ae.wait_failed(), 1), ModelError)
+    assert any("could not start" in r.getMessage() for r in caplog.records)
+
+
+async def test_stop_ends_open_streams_even_when_the_engine_cannot_abort(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    ae = await AsyncEngine(engine=engine).start()
+    task = asyncio.create_task(ae.generate(PROMPTS[0], SamplingParams(max_tokens=800, temperature=0, ignore_eos=True)))
+    await wait_for(lambda: engine.num_running == 1)
+
+    def broken(request_id):
+        raise RuntimeError("abort broke")
+
+    engine.abort = broken
+    await ae.stop()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(task, 10)
+
+
+async def test_gauges_are_fresh_after_an_abort_on_an_idle_engine(aengine):
+    registry = aengine.metrics.registry
+    stream = aengine.stream(PROMPTS[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    await stream.__anext__()
+    assert registry.get_sample_value("specstream_num_requests_running") == 1
+    await stream.aclose()
+    # No step runs after the abort (nothing is left to run): the abort itself refreshes them.
+    await wait_for(lambda: registry.get_sample_value("specstream_num_requests_running") == 0)
+    assert registry.get_sample_value("specstream_kv_cache_usage_perc") == 0.0
+    assert registry.get_sample_value("specstream_num_requests_waiting") == 0

@@ -258,11 +258,10 @@ def test_client_disconnect_cancels_generation(server):
 
 def test_error_mid_stream_becomes_an_sse_error_event(server):
     engine = server.engine.engine
-    real = engine.prepare
+    real = engine.submit
 
-    def prepare(prompt, params, request_id):
-        seq = real(prompt, params, request_id)
-        if "EXPLODE" in str(prompt):
+    def submit(seq):
+        if "EXPLODE" in engine.tokenizer.decode(seq.token_ids):
             count = {"n": 0}
             add = seq.detokenizer.add
 
@@ -273,19 +272,19 @@ def test_error_mid_stream_becomes_an_sse_error_event(server):
                 return add(token_id)
 
             seq.detokenizer.add = flaky
-        return seq
+        return real(seq)
 
-    engine.prepare = prepare
+    engine.submit = submit
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "EXPLODE " * 3}], "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=headers()) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         last = json.loads(events[-1][6:])
-        assert "error" in last and "boom" in last["error"]["message"]
+        assert "error" in last and "RuntimeError" in last["error"]["message"] and "boom" not in last["error"]["message"]
         ok = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4}, headers=headers())
         assert ok.status_code == 200
     finally:
-        engine.prepare = real
+        engine.submit = real
 
 
 def test_metrics_endpoint(server, client):
@@ -321,14 +320,14 @@ def test_end_to_end_on_the_default_model():
 
 
 def test_chat_template_errors_are_400_and_the_engine_stays_healthy(server):
-    engine = server.engine.engine
-    real = engine.tokenizer.chat_template
-    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    tokenizer = server.engine.tokenizer  # the one prompts are tokenized with
+    real = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     try:
         r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, headers=headers())
         assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
     finally:
-        engine.tokenizer.chat_template = real
+        tokenizer.chat_template = real
     assert server.engine.is_healthy
     assert httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2}, headers=headers()).status_code == 200
 
