@@ -56,7 +56,9 @@ class AsyncEngine:
     past it stream() raises QueueFull.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None, max_waiting: int = 256) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, engine: Engine | None = None, max_waiting: int = 256
+    ) -> None:
         self.config = config or (engine.config if engine else EngineConfig())
         self.engine = engine
         self.max_waiting = max_waiting
@@ -212,7 +214,9 @@ class AsyncEngine:
         return self.engine
 
     # -------------------------------------------------------------------- requests
-    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+    async def stream(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
         """Chunks of one request as its rounds complete; the last carries finish_reason and
         usage. Raises InvalidRequestError, QueueFull, RequestFailed or EngineDeadError."""
         self._check_accepting()
@@ -265,14 +269,17 @@ class AsyncEngine:
     async def _prepare(self, prompt, params: SamplingParams | None, engine_id: str) -> Sequence:
         """Validate and tokenize in the tokenizer thread; InvalidRequestError when refused."""
         try:
-            return await self._loop.run_in_executor(self._tokenizing, self._processor.process, prompt, params, engine_id)
+            process = self._processor.process
+            return await self._loop.run_in_executor(self._tokenizing, process, prompt, params, engine_id)
         except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - a request that cannot be prepared fails alone
             logger.error("request %s could not be prepared", engine_id, exc_info=exc)
             raise RequestFailed(f"the request could not be prepared ({type(exc).__name__})") from None
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
+    async def generate(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestOutput:
         """The whole completion at once (streams internally)."""
         text, ids, prompt_ids, stats = [], [], [], SpecStats()
         last = None

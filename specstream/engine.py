@@ -102,7 +102,13 @@ class Engine:
         if log:
             logger.info(
                 "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens",
-                time.perf_counter() - start, config.model, self.dtype, self.device, spec.method, k_max, self.pool.capacity,
+                time.perf_counter() - start,
+                config.model,
+                self.dtype,
+                self.device,
+                spec.method,
+                k_max,
+                self.pool.capacity,
             )
 
     # ----------------------------------------------------------------- set-up helpers
@@ -189,7 +195,8 @@ class Engine:
         seq.finish_reason = "abort"
         self._finish(seq)
         self._update_gauges()
-        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", Usage(seq.num_prompt_tokens, seq.num_output_tokens))
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", usage)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -239,7 +246,9 @@ class Engine:
             return self._propose_one_by_one(plan.decodes, plan.ks)
         return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
 
-    def _propose_one_by_one(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+    def _propose_one_by_one(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         # The failed pass may have left the proposer's state half-advanced: start it afresh.
         for seq in seqs:
             self.proposer.release(seq)
@@ -259,10 +268,13 @@ class Engine:
         """The step's one target forward: each decoding sequence's last token and drafts
         (logits for all of them), then each prefill chunk (logits for its last token only
         when the chunk completes the prompt)."""
-        items = [ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens)) for s, d in zip(decodes, drafts)]
+        items = [
+            ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens))
+            for s, d in zip(decodes, drafts)
+        ]
         for seq, n in prefills:
-            done = seq.num_cached + n == len(seq.token_ids)
-            items.append(ForwardItem(seq.block_table, seq.num_cached, seq.token_ids[seq.num_cached : seq.num_cached + n], int(done)))
+            start, end = seq.num_cached, seq.num_cached + n
+            items.append(ForwardItem(seq.block_table, start, seq.token_ids[start:end], int(end == len(seq.token_ids))))
         return items
 
     @staticmethod

@@ -68,12 +68,16 @@ class InputProcessor:
         max_tokens = self._resolve_max_tokens(len(ids), params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(64)
         detokenizer = IncrementalDetokenizer(self.output_tokenizer, ids, params.stop, params.skip_special_tokens)
-        return Sequence(request_id, ids, params, next(self.arrivals), seed=seed, max_tokens=max_tokens, detokenizer=detokenizer)
+        return Sequence(
+            request_id, ids, params, next(self.arrivals), seed=seed, max_tokens=max_tokens, detokenizer=detokenizer
+        )
 
     def check_params(self, params: SamplingParams) -> None:
         """The limits of SamplingParams that depend on the model."""
         if params.top_k > self.vocab_size:
-            raise InvalidRequestError(f"top_k must be between 0 and the vocabulary size ({self.vocab_size})", param="top_k")
+            raise InvalidRequestError(
+                f"top_k must be between 0 and the vocabulary size ({self.vocab_size})", param="top_k"
+            )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
 
@@ -89,7 +93,9 @@ class InputProcessor:
         elif isinstance(prompt, (list, tuple)):
             ids = self._token_ids(prompt)
         else:
-            raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages", param="prompt")
+            raise InvalidRequestError(
+                "a prompt must be a string, a list of token ids, or a list of chat messages", param="prompt"
+            )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         self._check_tokens(len(ids))
@@ -100,7 +106,9 @@ class InputProcessor:
         for m in messages:
             role, content = m.get("role"), m.get("content")
             if not isinstance(role, str) or not isinstance(content, str):
-                raise InvalidRequestError("each chat message needs a string 'role' and a string 'content'", param="prompt")
+                raise InvalidRequestError(
+                    "each chat message needs a string 'role' and a string 'content'", param="prompt"
+                )
             chars += len(role) + len(content) + MESSAGE_OVERHEAD_CHARS
             self._check_chars(chars)
         for m in messages:
@@ -115,13 +123,17 @@ class InputProcessor:
                 sanitize_control_tokens=not self.allow_special_tokens_in_content,
             )
         except Exception as exc:  # noqa: BLE001 - templates raise what they like (jinja errors, ValueError)
-            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}", param="prompt") from exc
+            raise InvalidRequestError(
+                f"the model's chat template rejected these messages: {exc}", param="prompt"
+            ) from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _token_ids(self, prompt: list | tuple) -> list[int]:
         self._check_tokens(len(prompt))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages", param="prompt")
+            raise InvalidRequestError(
+                "a prompt must be a string, a list of token ids, or a list of chat messages", param="prompt"
+            )
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(prompt)
@@ -150,8 +162,9 @@ class InputProcessor:
             return room
         if params.max_tokens > room:
             raise InvalidRequestError(
-                f"this model's context is {self.max_model_len} tokens, but {num_prompt_tokens + params.max_tokens} were "
-                f"requested ({num_prompt_tokens} in the prompt, {params.max_tokens} for the completion); lower max_tokens",
+                f"this model's context is {self.max_model_len} tokens, but {num_prompt_tokens + params.max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt, {params.max_tokens} for the completion); "
+                "lower max_tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -167,5 +180,7 @@ def _valid_text(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidRequestError("the prompt holds a lone surrogate, which is not valid Unicode text", param="prompt") from None
+        raise InvalidRequestError(
+            "the prompt holds a lone surrogate, which is not valid Unicode text", param="prompt"
+        ) from None
     return text

@@ -115,7 +115,8 @@ class DraftModelProposer(Proposer):
                 items.append(ForwardItem(state[0], state[1], new, 1))
                 state[1] += len(new)
             logits = self.runner.forward(items)
-            self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], [probs[i] for i in active], step)
+            rows = list(active)
+            self._choose(logits, [seqs[i] for i in rows], [drafts[i] for i in rows], [probs[i] for i in rows], step)
             step += 1
             active = {i: [drafts[i].tokens[-1]] for i in active if ks[i] > step}
             items = []
@@ -149,7 +150,9 @@ class DraftModelProposer(Proposer):
             room -= len(new)
         return active, catch_up
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list], step: int) -> None:
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list], step: int
+    ) -> None:
         """Append each sequence's next draft (argmax, or a sample from q) and, when sampled, its q."""
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         greedy_ids = logits.argmax(-1).tolist()

@@ -82,9 +82,10 @@ class SamplingParams:
 def _integer(value, name: str, low: int | None = None, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"{name} must be an integer", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"between {low} and {high}" if low is not None and high is not None else f">= {low}" if low is not None else f"<= {high}"
-        raise InvalidRequestError(f"{name} must be {bounds}, got {value}", param=name)
+    if low is not None and value < low:
+        raise InvalidRequestError(f"{name} must be >= {low}", param=name)
+    if high is not None and value > high:
+        raise InvalidRequestError(f"{name} must be <= {high}", param=name)
     return value
 
 

@@ -308,7 +308,8 @@ def test_accepted_drafts_cut_by_a_limit_or_a_stop_do_not_count(tiny_model_dir):
     cut = spec.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     # Round 1 (the prompt) emits one token; round 2 accepts 4 drafts but may emit only 2.
     assert cut.token_ids == full[:3] and cut.stats.accepted == 2 and cut.stats.drafted == 4
-    stop = spec.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[full[2]]))[0]
+    stop_at = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[full[2]])
+    stop = spec.generate(PROMPTS[0], stop_at)[0]
     first_stop = full.index(full[2])
     assert stop.token_ids == full[: first_stop + 1] and stop.stats.accepted <= first_stop
     fresh = engine(tiny_model_dir, "draft", k=4, spec={"draft_model": str(tiny_model_dir)})

@@ -61,7 +61,9 @@ def test_markup_in_chat_content_stays_text(tokenizer):
 
 def test_special_tokens_in_content_can_be_allowed_as_plain_templating_does(tokenizer):
     injected = [{"role": "user", "content": INJECTION}]
-    assert processor(tokenizer, allow_special_tokens_in_content=True).encode(injected) == template_ids(tokenizer, injected)
+    assert processor(tokenizer, allow_special_tokens_in_content=True).encode(injected) == template_ids(
+        tokenizer, injected
+    )
 
 
 def test_raw_string_prompts_keep_their_special_tokens(tokenizer):
@@ -117,7 +119,9 @@ def test_prompt_tokens_are_bounded_after_tokenizing(tiny_model_dir):
         processor(tok, max_model_len=64).encode(list(range(10**6)))
 
 
-@pytest.mark.parametrize("prompt", ["a\ud800b", [{"role": "user", "content": "\ud800"}], [{"role": "\udfff", "content": "hi"}]])
+@pytest.mark.parametrize(
+    "prompt", ["a\ud800b", [{"role": "user", "content": "\ud800"}], [{"role": "\udfff", "content": "hi"}]]
+)
 def test_lone_surrogates_are_refused_as_bad_input(tiny_model_dir, prompt):
     tok = load_tokenizer(resolve_model(str(tiny_model_dir)))
     with pytest.raises(InvalidRequestError, match="surrogate") as refused:
