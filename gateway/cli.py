@@ -40,9 +40,6 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gateway.app import create_app
     from gateway.settings import GatewaySettings
     from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
@@ -82,9 +79,33 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("specstream.gateway").info(
         "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
-    app = create_app(AsyncEngine(config, max_waiting=args.max_waiting), settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    engine = AsyncEngine(config, max_waiting=args.max_waiting)
+    return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def serve(engine, settings, *, host: str, port: int, log_level: str = "info") -> int:
+    """Run the server until it is stopped (0) or the engine fails to load or fails fatally
+    later (1, with the error on stderr), so that a supervisor restarts a failed server
+    instead of leaving it answering 503 forever."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    failures: list[BaseException] = []
+
+    def stop_on_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    app = create_app(engine, settings, on_engine_failure=stop_on_failure)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    )
+    server.run()
+    if failures:
+        print(f"error: the engine failed, exiting: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 def _add_chat(sub) -> None:
@@ -99,8 +120,8 @@ def _add_chat(sub) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from clients import Client
-    from clients.chat_repl import run_chat
+    from gateway.chat_repl import run_chat
+    from specstream_client import Client
 
     with Client(args.url, args.api_key, max_retries=2) as client:
         return run_chat(client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
@@ -128,7 +149,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from clients.bench import bench, plot, print_table, write_json
+    from gateway.bench.loadgen import bench, print_table, write_json
+    from gateway.bench.plots import plot
 
     report = asyncio.run(
         bench(

@@ -4,12 +4,19 @@ and unknown fields are 400s; features we do not implement are named in the error
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import APIError
 from specstream import SamplingParams
+
+# Static bounds, checked before anything reaches the engine (which also checks top_k against
+# its vocabulary, and prompt + max_tokens against its context).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**20  # above any real vocabulary (the largest are about 2**18)
+MAX_TOKENS = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 # Fields of the OpenAI API that this server does not implement: a request using one gets a
 # 400 naming it (a falsy value, e.g. tools=[], is accepted as "not used").
@@ -32,6 +39,11 @@ UNSUPPORTED = {
 }
 
 
+def _wrap_int64(value: int) -> int:
+    """Seeds of the n choices are seed, seed + 1, ...: wrapped so each stays an int64."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -51,14 +63,14 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=1024)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM-style extras (through extra_body)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     ignore_eos: bool = False
     speculative: SpeculativeOptions | Literal["off"] | None = None
     # Known but unsupported: typed loosely so the error can name the feature.
@@ -119,7 +131,7 @@ class _SamplingFields(_Strict):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=None if self.seed is None else self.seed + seed_offset,
+            seed=None if self.seed is None else _wrap_int64(self.seed + seed_offset),
             stop=self.stops,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -159,8 +171,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None
@@ -185,10 +197,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=1024)
     echo: bool = False
     suffix: str | None = None
 
@@ -217,7 +229,7 @@ def parse(model: type[BaseModel], data: Any):
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = ".".join(str(x) for x in err["loc"])[:100]
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc) from None
         raise APIError(400, f"Invalid value for '{loc}': {err['msg']}", param=loc) from None

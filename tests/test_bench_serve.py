@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from clients.bench import acceptance_delta, bench, parse_acceptance, plot, summarize, RequestResult
+from gateway.bench.loadgen import RequestResult, acceptance_delta, bench, parse_acceptance, summarize
+from gateway.bench.plots import plot
 
 
 @pytest.fixture(scope="module")

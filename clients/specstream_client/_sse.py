@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 
-from clients._exceptions import APIError, error_from_body
+from specstream_client._exceptions import APIError, error_from_body
 
 DONE = object()
 

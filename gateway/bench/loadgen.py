@@ -4,8 +4,8 @@ any other) over HTTP, at fixed concurrency levels or an open-loop request rate.
 Per request it records TTFT, the gaps between streamed chunks (ITL), TPOT, end-to-end
 latency and tokens; per run, throughput; and when the server exposes specstream's
 Prometheus metrics, draft acceptance per position (from /metrics before and after).
-Results go to a JSON file and PNG plots (latency CDFs, throughput and speedup vs
-concurrency, acceptance per position).
+Results go to a JSON file and, through gateway.bench.plots, PNG plots. It talks to the
+server only through the SDK's public API and plain HTTP.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from clients._client import AsyncClient
-from clients._exceptions import APIError
-from clients.bench_prompts import PROMPT_SETS
+from gateway.bench.prompts import PROMPT_SETS
+from specstream_client import AsyncClient, APIError
 
 
 @dataclass
@@ -231,81 +230,6 @@ async def bench(
                     }
                 )
     return report
-
-
-def plot(reports: list[dict], out_dir: Path) -> list[Path]:
-    """Latency CDFs, throughput and speedup vs concurrency, acceptance per position."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    sets = sorted({run["prompt_set"] for rep in reports for run in rep["runs"]})
-
-    fig, axes = plt.subplots(len(sets), 2, figsize=(11, 4 * len(sets)), squeeze=False)
-    for row, name in enumerate(sets):
-        for col, key in enumerate(("ttft_s", "itl_s")):
-            ax = axes[row][col]
-            for rep in reports:
-                for run in rep["runs"]:
-                    if run["prompt_set"] != name or not run[key]:
-                        continue
-                    values = sorted(v * 1000 for v in run[key])
-                    level = run.get("concurrency", run.get("rate"))
-                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{rep['label']} @{level}")
-            ax.set_xlabel(("TTFT" if key == "ttft_s" else "inter-chunk latency") + " (ms)")
-            ax.set_ylabel("fraction of requests" if key == "ttft_s" else "fraction of chunks")
-            ax.set_xscale("log")
-            ax.set_title(f"{name}: {'TTFT' if key == 'ttft_s' else 'ITL'} CDF")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "latency_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for rep in reports:
-        for name in sets:
-            runs = sorted((r for r in rep["runs"] if r["prompt_set"] == name and "concurrency" in r), key=lambda r: r["concurrency"])
-            if not runs:
-                continue
-            xs = [r["concurrency"] for r in runs]
-            ys = [r["summary"]["throughput_tok_s"] or 0 for r in runs]
-            axes[0].plot(xs, ys, marker="o", label=f"{rep['label']} {name}")
-            axes[1].plot(xs, [y / ys[0] if ys[0] else 0 for y in ys], marker="o", label=f"{rep['label']} {name}")
-    axes[0].set_title("throughput vs concurrency")
-    axes[0].set_ylabel("tokens/s")
-    axes[1].set_title("speedup vs its own concurrency-1 throughput")
-    axes[1].set_ylabel("x")
-    for ax in axes:
-        ax.set_xlabel("concurrent streams")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "throughput.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    accepted = [(rep["label"], run) for rep in reports for run in rep["runs"] if run.get("acceptance")]
-    if accepted:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for label, run in accepted:
-            per = run["acceptance"]["per_position"]
-            level = run.get("concurrency", run.get("rate"))
-            ax.plot(range(1, len(per) + 1), per, marker="o", label=f"{label} {run['prompt_set']} @{level}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("P(accepted | round drafted)")
-        ax.set_title("acceptance per draft position")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out_dir / "acceptance.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
 
 
 def print_table(reports: list[dict]) -> None:

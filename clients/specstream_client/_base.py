@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from clients._exceptions import APIConnectionError, APITimeoutError, error_from_body
+from specstream_client._exceptions import APIConnectionError, APITimeoutError, error_from_body
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})

@@ -7,8 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from clients._client import Client
-from clients._exceptions import APIError
+from specstream_client import APIError, Client
 
 HELP = "commands: /reset clears the conversation, /exit quits"
 

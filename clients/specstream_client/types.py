@@ -16,10 +16,16 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache (usage.prompt_tokens_details)
 
     @classmethod
     def parse(cls, data: dict | None) -> Usage | None:
-        return cls(**_known(cls, data)[0]) if data else None
+        if not data:
+            return None
+        details = data.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        known = {k: v for k, v in _known(cls, data)[0].items() if k != "cached_tokens"}
+        return cls(**known, cached_tokens=cached or 0)
 
 
 @dataclass

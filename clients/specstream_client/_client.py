@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 
-from clients._base import BaseClient
-from clients._exceptions import APIConnectionError
-from clients._sse import DONE, aiter_payloads, decode_payload, iter_payloads
-from clients.types import ChatCompletion, ChatCompletionChunk, Completion, Model
+from specstream_client._base import BaseClient
+from specstream_client._exceptions import APIConnectionError
+from specstream_client._sse import DONE, aiter_payloads, decode_payload, iter_payloads
+from specstream_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model
 
 
 class StreamEnd:
