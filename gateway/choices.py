@@ -29,7 +29,9 @@ class Choices:
     async def open(cls, engine: AsyncEngine, jobs: Sequence[tuple[object, SamplingParams]], request_id: str) -> Choices:
         """Start one engine stream per (prompt, params) and wait for each first chunk;
         raises the first stream's error after closing them all."""
-        choices = cls([engine.stream(prompt, params, request_id=f"{request_id}-{i}") for i, (prompt, params) in enumerate(jobs)])
+        choices = cls(
+            [engine.stream(prompt, params, request_id=f"{request_id}-{i}") for i, (prompt, params) in enumerate(jobs)]
+        )
         try:
             results = await asyncio.gather(*(choices._prime(i) for i in range(len(choices))), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]

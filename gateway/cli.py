@@ -19,7 +19,11 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API (default: the bundled smollm2-135m)")
     a = p.add_argument
     a("--model", default=_env("model", "smollm2-135m"), help="bundled alias, HF directory, .gguf path or hub id")
-    a("--served-model-name", default=_env("served_model_name"), help="the name clients send as 'model' (default: --model)")
+    a(
+        "--served-model-name",
+        default=_env("served_model_name"),
+        help="the name clients send as 'model' (default: --model)",
+    )
     a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
@@ -27,7 +31,12 @@ def _add_serve(sub) -> None:
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
     a("--port", type=int, default=int(_env("port", "8000")))
-    a("--api-key", action="append", default=None, help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)")
+    a(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)",
+    )
     a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
     a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", "512")))
     a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
@@ -61,7 +70,10 @@ def _serve(args: argparse.Namespace) -> int:
             ),
         )
         settings = GatewaySettings(
-            served_model_name=args.served_model_name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes, max_n=args.max_n
+            served_model_name=args.served_model_name,
+            api_keys=tuple(keys),
+            max_body_bytes=args.max_body_bytes,
+            max_n=args.max_n,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -124,7 +136,9 @@ def _chat(args: argparse.Namespace) -> int:
     from specstream_client import Client
 
     with Client(args.url, args.api_key, max_retries=2) as client:
-        return run_chat(client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
+        return run_chat(
+            client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature
+        )
 
 
 def _add_bench(sub) -> None:

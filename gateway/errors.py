@@ -32,7 +32,13 @@ class APIError(Exception):
     """An error to answer with; raised anywhere in a request's handling."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None, headers: dict | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -42,7 +48,12 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        error = {"message": self.message, "type": _TYPES.get(self.status, "api_error"), "param": self.param, "code": self.code}
+        error = {
+            "message": self.message,
+            "type": _TYPES.get(self.status, "api_error"),
+            "param": self.param,
+            "code": self.code,
+        }
         return {"error": error}
 
     def json(self) -> str:
@@ -75,6 +86,8 @@ def from_engine(exc: BaseException, *, prompt_param: str, retry_after: int) -> A
         return APIError(503, "the engine is not available; retry on a healthy replica", code="engine_unavailable")
     if isinstance(exc, RequestFailed):
         log.warning("request failed while generating: %s", exc)
-        return APIError(500, "the request failed while generating (the server log has the details)", code="request_failed")
+        return APIError(
+            500, "the request failed while generating (the server log has the details)", code="request_failed"
+        )
     log.error("unexpected error while generating", exc_info=exc)
     return APIError(500, "internal error (the server log has the details)", code="internal_error")

@@ -104,9 +104,16 @@ class _SamplingFields(_Strict):
     def check_supported(self) -> None:
         for name, feature in UNSUPPORTED.items():
             if getattr(self, name, None):
-                raise APIError(400, f"{feature} is not supported by this server ('{name}')", param=name, code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{feature} is not supported by this server ('{name}')",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if self.modalities and set(self.modalities) != {"text"}:
-            raise APIError(400, "only the 'text' modality is supported", param="modalities", code="unsupported_parameter")
+            raise APIError(
+                400, "only the 'text' modality is supported", param="modalities", code="unsupported_parameter"
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -125,7 +132,9 @@ class _SamplingFields(_Strict):
             )
         return spec.num_speculative_tokens
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, seed_offset: int, engine_method: str) -> SamplingParams:
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, seed_offset: int, engine_method: str
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -152,7 +161,12 @@ class ChatMessage(_Strict):
     def text(self, index: int) -> str:
         where = f"messages[{index}]"
         if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id:
-            raise APIError(400, f"{where}: tool messages are not supported by this server", param=where, code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"{where}: tool messages are not supported by this server",
+                param=where,
+                code="unsupported_parameter",
+            )
         if self.content is None:
             raise APIError(400, f"{where}: content is required", param=f"{where}.content")
         if isinstance(self.content, str):
@@ -163,9 +177,16 @@ class ChatMessage(_Strict):
             if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
                 parts.append(part["text"])
             elif kind in ("image_url", "input_image", "input_audio", "file", "audio"):
-                raise APIError(400, f"{where}: {kind} content is not supported by this server (text only)", param=f"{where}.content[{j}]", code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{where}: {kind} content is not supported by this server (text only)",
+                    param=f"{where}.content[{j}]",
+                    code="unsupported_parameter",
+                )
             else:
-                raise APIError(400, f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", param=f"{where}.content[{j}]")
+                raise APIError(
+                    400, f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", param=f"{where}.content[{j}]"
+                )
         return "".join(parts)
 
 
@@ -180,12 +201,20 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported", param="response_format", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "response_format other than {'type': 'text'} is not supported",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -207,7 +236,9 @@ class CompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported by this server", param="best_of", code="unsupported_parameter")
+            raise APIError(
+                400, "best_of is not supported by this server", param="best_of", code="unsupported_parameter"
+            )
 
     def prompts(self) -> list:
         p = self.prompt

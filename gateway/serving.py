@@ -140,7 +140,9 @@ class OpenAIServing:
         self.state.require_ready()
         if num_choices > engine.max_waiting:
             # A 429 would invite retries that can never succeed.
-            raise APIError(400, f"at most {engine.max_waiting} choices per request on this server (its queue limit)", param="n")
+            raise APIError(
+                400, f"at most {engine.max_waiting} choices per request on this server (its queue limit)", param="n"
+            )
         if self.max_tokens is not None and self.max_tokens >= engine.max_model_len:
             raise APIError(
                 400,
@@ -150,8 +152,15 @@ class OpenAIServing:
             )
         try:
             return [
-                (prompt, req.sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs, seed_offset=j,
-                                             engine_method=engine.speculative_method))
+                (
+                    prompt,
+                    req.sampling_params(
+                        max_tokens=self.max_tokens,
+                        logprobs=self.logprobs,
+                        seed_offset=j,
+                        engine_method=engine.speculative_method,
+                    ),
+                )
                 for prompt in self.prompts
                 for j in range(self.choices_per_prompt)
             ]
@@ -208,7 +217,9 @@ class OpenAIServing:
         return JSONResponse(
             {
                 **self._header(self.object_full),
-                "choices": [self.choice_body(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(len(choices))],
+                "choices": [
+                    self.choice_body(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(len(choices))
+                ],
                 "usage": self.usage.body(),
             }
         )

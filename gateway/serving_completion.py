@@ -39,7 +39,9 @@ class ServingCompletion(OpenAIServing):
         for lp in chunk.logprobs or []:
             text = token_bytes(lp.token_id)[0]
             top = {token_bytes(t)[0]: v for t, v in lp.top}
-            entries.append({"token": text, "logprob": lp.logprob, "top": top, "offset": base + min(consumed, len(chunk.text))})
+            entries.append(
+                {"token": text, "logprob": lp.logprob, "top": top, "offset": base + min(consumed, len(chunk.text))}
+            )
             consumed += len(text)
         return entries
 
@@ -54,7 +56,12 @@ class ServingCompletion(OpenAIServing):
         }
 
     def choice_body(self, index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs_field(logprobs), "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs_field(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def chunk_choices(self, delta: Delta) -> list[dict]:
         return [

@@ -20,7 +20,13 @@ def chunk(content=None, finish=None, role=None, spec=None, usage=None, choices=T
     c = {"index": 0, "delta": delta, "finish_reason": finish}
     if spec:
         c["speculative"] = spec
-    body = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [c] if choices else []}
+    body = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [c] if choices else [],
+    }
     if usage:
         body["usage"] = usage
     return "data: " + json.dumps(body) + "\n\n"
@@ -45,7 +51,10 @@ def make_client(handler, **kw) -> Client:
 
 
 COMPLETION = {
-    "id": "x", "object": "chat.completion", "created": 5, "model": "m",
+    "id": "x",
+    "object": "chat.completion",
+    "created": 5,
+    "model": "m",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
 }
@@ -54,16 +63,23 @@ COMPLETION = {
 # --------------------------------------------------------------------------- SSE parsing
 def test_sse_decoder_joins_multiline_data_and_skips_comments():
     d = SSEDecoder()
-    events = [d.feed(line) for line in [": keep-alive", "event: update", "data: {\"a\":", "data: 1}", "id: 7", ""]]
+    events = [d.feed(line) for line in [": keep-alive", "event: update", 'data: {"a":', "data: 1}", "id: 7", ""]]
     assert events[:-1] == [None] * 5
     assert events[-1].event == "update" and events[-1].data == '{"a":\n1}'
 
 
 def test_stream_yields_typed_chunks_until_done():
-    parts = [": ping\n\n", chunk(role="assistant", content=""), chunk("Hel", spec={"drafted": 4, "accepted": 3, "tokens": 4}),
-             'data: {"id":"c1","created":1,"model":"m",\ndata: "choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n',
-             chunk(finish="stop"), chunk(choices=False, usage={"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
-             "data: [DONE]\n\n", chunk("never")]
+    parts = [
+        ": ping\n\n",
+        chunk(role="assistant", content=""),
+        chunk("Hel", spec={"drafted": 4, "accepted": 3, "tokens": 4}),
+        'data: {"id":"c1","created":1,"model":"m",\n'
+        'data: "choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n',
+        chunk(finish="stop"),
+        chunk(choices=False, usage={"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
+        "data: [DONE]\n\n",
+        chunk("never"),
+    ]
     seen = []
 
     def handler(request):
@@ -71,7 +87,9 @@ def test_stream_yields_typed_chunks_until_done():
         return httpx.Response(200, stream=RecordingStream(parts), headers={"content-type": "text/event-stream"})
 
     with make_client(handler) as c:
-        chunks = list(c.chat.completions.create(model="m", messages=CHAT, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(model="m", messages=CHAT, stream=True, stream_options={"include_usage": True})
+        )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello"
     assert chunks[1].choices[0].speculative == specstream_client.SpeculativeStats(4, 3, 4)
     assert chunks[-1].usage.completion_tokens == 3
@@ -148,7 +166,9 @@ def test_429_honours_retry_after(monkeypatch):
 
     def handler(request):
         s = next(statuses)
-        return httpx.Response(s, json=COMPLETION if s == 200 else {"error": {"message": "full"}}, headers={"Retry-After": "3"})
+        return httpx.Response(
+            s, json=COMPLETION if s == 200 else {"error": {"message": "full"}}, headers={"Retry-After": "3"}
+        )
 
     make_client(handler).chat.completions.create(model="m", messages=CHAT)
     assert sleeps == [3.0]
@@ -165,7 +185,11 @@ def test_exhausted_retries_raise_rate_limit_error():
 
     def handler(request):
         calls.append(1)
-        return httpx.Response(429, json={"error": {"message": "queue full", "type": "rate_limit_error", "code": "queue_full"}}, headers={"Retry-After": "0"})
+        return httpx.Response(
+            429,
+            json={"error": {"message": "queue full", "type": "rate_limit_error", "code": "queue_full"}},
+            headers={"Retry-After": "0"},
+        )
 
     with pytest.raises(specstream_client.RateLimitError) as err:
         make_client(handler, max_retries=2).chat.completions.create(model="m", messages=CHAT)
@@ -184,7 +208,15 @@ def test_connect_errors_are_retried_then_raised():
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("status, cls", [(400, specstream_client.BadRequestError), (401, specstream_client.AuthenticationError), (404, specstream_client.NotFoundError), (413, specstream_client.BadRequestError)])
+@pytest.mark.parametrize(
+    "status, cls",
+    [
+        (400, specstream_client.BadRequestError),
+        (401, specstream_client.AuthenticationError),
+        (404, specstream_client.NotFoundError),
+        (413, specstream_client.BadRequestError),
+    ],
+)
 def test_client_errors_map_to_classes_and_are_not_retried(status, cls):
     calls = []
 
@@ -217,7 +249,9 @@ async def test_async_client_streams_and_retries():
         s = next(statuses)
         if s != 200:
             return httpx.Response(s, json={"error": {"message": "busy"}})
-        return httpx.Response(200, content=(chunk("Hi") + chunk(" there") + chunk(finish="stop") + "data: [DONE]\n\n").encode())
+        return httpx.Response(
+            200, content=(chunk("Hi") + chunk(" there") + chunk(finish="stop") + "data: [DONE]\n\n").encode()
+        )
 
     async with AsyncClient("http://t/v1", transport=httpx.MockTransport(handler), backoff=0.001) as c:
         text = [t async for t in c.chat.completions.stream_text(model="m", messages=CHAT)]
@@ -232,7 +266,13 @@ def live(tiny_model_dir):
     from gateway_server import LiveServer
     from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+    engine = AsyncEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        )
+    )
     with LiveServer(create_app(engine, GatewaySettings(served_model_name="tiny", api_keys=("k",)))) as server:
         yield server
 
@@ -241,7 +281,16 @@ def test_live_sync_client(live):
     with Client(f"{live.url}/v1", "k") as c:
         r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
         text = "".join(c.chat.completions.stream_text(model="tiny", messages=CHAT, max_tokens=12, temperature=0))
-        chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny",
+                messages=CHAT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         comp = c.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
         assert [m.id for m in c.models.list()] == ["tiny"]
         with pytest.raises(specstream_client.NotFoundError):

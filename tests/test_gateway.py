@@ -25,7 +25,12 @@ CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog
 
 
 def tiny_config(model_dir, **kw) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4), **kw)
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        **kw,
+    )
 
 
 class FaultInjectingEngine(AsyncEngine):
@@ -117,14 +122,20 @@ def test_streaming_with_usage_has_one_id_role_first_and_usage_last(client):
 
 
 async def test_async_client_streams(aclient):
-    stream = await aclient.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+    stream = await aclient.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True
+    )
     pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     r = await aclient.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert "".join(pieces) == r.choices[0].message.content
 
 
 def test_stop_ends_with_stop_and_excludes_it(client):
-    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0).choices[0].message.content
+    full = (
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0)
+        .choices[0]
+        .message.content
+    )
     stop = full[8:11]
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == full[: full.index(stop)]
@@ -138,22 +149,33 @@ def test_n_two_gives_two_choices(client):
 
 def test_seed_reproduces_sampling(client):
     kw = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
-    assert client.chat.completions.create(**kw).choices[0].message.content == client.chat.completions.create(**kw).choices[0].message.content
+    assert (
+        client.chat.completions.create(**kw).choices[0].message.content
+        == client.chat.completions.create(**kw).choices[0].message.content
+    )
 
 
 def test_extra_body_top_k_ignore_eos_and_per_request_speculation(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=10, temperature=0.7, seed=1,
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0.7,
+        seed=1,
         extra_body={"top_k": 5, "ignore_eos": True, "speculative": {"method": "ngram", "num_speculative_tokens": 2}},
     )
     assert r.usage.completion_tokens == 10
-    off = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0, extra_body={"speculative": "off"})
+    off = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0, extra_body={"speculative": "off"}
+    )
     on = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert off.choices[0].message.content == on.choices[0].message.content
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
@@ -166,11 +188,16 @@ def test_content_as_text_parts(client):
 
 
 def test_completions_and_models(client):
-    r = client.completions.create(model=MODEL, prompt=["Hello world", "Paris is"], max_tokens=5, temperature=0, logprobs=1)
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello world", "Paris is"], max_tokens=5, temperature=0, logprobs=1
+    )
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 10
     assert len(r.choices[0].logprobs.tokens) == 5 and r.choices[0].logprobs.text_offset[0] == 0
     s = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in s if c.choices) == client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0).choices[0].text
+    assert (
+        "".join(c.choices[0].text for c in s if c.choices)
+        == client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0).choices[0].text
+    )
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
@@ -249,7 +276,9 @@ def test_raw_sse_framing(server):
     ],
 )
 def test_malformed_bodies_are_400(server, body, fragment):
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={**headers(), "content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", content=body, headers={**headers(), "content-type": "application/json"}
+    )
     assert r.status_code == 400 and fragment in r.json()["error"]["message"]
 
 
@@ -265,7 +294,10 @@ def test_malformed_bodies_are_400(server, body, fragment):
         ({"stream": "yes"}, "stream"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
         ({"messages": []}, "messages"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -284,13 +316,18 @@ def test_invalid_requests_are_400_and_never_reach_the_engine(server, extra, para
 
 @pytest.mark.parametrize(
     "path, prompt_field",
-    [("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]}), ("/v1/completions", {"prompt": "word " * 3000})],
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]}),
+        ("/v1/completions", {"prompt": "word " * 3000}),
+    ],
 )
 def test_prompt_too_long_is_400_context_length_naming_the_endpoints_prompt_field(server, path, prompt_field):
     body = {"model": MODEL, **prompt_field, "max_tokens": 4}
     r = httpx.post(f"{server.url}{path}", json=body, headers=headers())
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == next(iter(prompt_field))
+    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == next(
+        iter(prompt_field)
+    )
 
 
 def test_body_too_large_is_413(server):
@@ -325,15 +362,23 @@ def test_client_disconnect_cancels_generation(server):
 
 
 def test_error_mid_stream_becomes_an_sse_error_event_without_internal_ids(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "EXPLODE " * 3}], "max_tokens": 40, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "EXPLODE " * 3}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=headers()) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     first, last = json.loads(events[0][6:]), json.loads(events[-1][6:])
     assert last["error"]["code"] == "request_failed" and last["error"]["type"] == "internal_error"
     assert first["id"] not in last["error"]["message"] and "boom" not in last["error"]["message"]
     wait_idle(server.engine)
-    ok = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4}, headers=headers())
+    ok = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4}, headers=headers()
+    )
     assert ok.status_code == 200
 
 
@@ -347,7 +392,10 @@ def test_error_before_the_first_chunk_is_a_500_without_internal_ids(server):
 def test_metrics_endpoint(server, client):
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
     text = httpx.get(f"{server.url}/metrics").text
-    assert "specstream_time_to_first_token_seconds_bucket" in text and "specstream_spec_decode_num_draft_tokens_total" in text
+    assert (
+        "specstream_time_to_first_token_seconds_bucket" in text
+        and "specstream_spec_decode_num_draft_tokens_total" in text
+    )
 
 
 async def test_health_says_loading_then_ok(tiny_model_dir):
@@ -358,7 +406,9 @@ async def test_health_says_loading_then_ok(tiny_model_dir):
         loading = await c.get("/health")
         assert loading.status_code == 503 and loading.json() == {"status": "loading"}
         r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready" and r.headers["retry-after"] == "5"
+        assert (
+            r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready" and r.headers["retry-after"] == "5"
+        )
         await engine.start()
         try:
             ok = await c.get("/health")
@@ -401,7 +451,11 @@ def test_end_to_end_on_the_default_model():
     with LiveServer(create_app(engine)) as live:
         c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
         stream = c.chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0, stream=True
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
         )
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert "Paris" in text
@@ -423,12 +477,19 @@ async def test_chat_template_errors_are_400_and_the_engine_stays_healthy(tiny_mo
 
 def test_deeply_nested_json_is_400(server):
     body = b"[" * 20000 + b"]" * 20000
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={**headers(), "content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", content=body, headers={**headers(), "content-type": "application/json"}
+    )
     assert r.status_code == 400
 
 
 def test_null_optional_fields_mean_defaults(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, extra_body={"n": None, "presence_penalty": None, "stream": None, "logprobs": None})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=3,
+        extra_body={"n": None, "presence_penalty": None, "stream": None, "logprobs": None},
+    )
     assert len(r.choices) == 1 and r.usage.completion_tokens == 3
 
 
@@ -444,7 +505,9 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(server):
     before = aborted()
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 900, "n": 8, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=httpx.Timeout(0.3, connect=5.0))
+        httpx.post(
+            f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=httpx.Timeout(0.3, connect=5.0)
+        )
     wait_idle(server.engine)
     assert aborted() == before + 8  # all eight choices were aborted, none ran to the end
 

@@ -26,7 +26,11 @@ LONE_SURROGATE = "\ud800"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    )
     engine = AsyncEngine(config, max_waiting=16)
     with LiveServer(create_app(engine, GatewaySettings(served_model_name=MODEL, max_body_bytes=256 * 1024))) as live:
         live.engine = engine
@@ -58,8 +62,15 @@ def prompt_tokens(server) -> float:
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 @pytest.mark.parametrize(
     "content_type",
-    [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "application/json; charset=latin-1",
-     "application/jsonx", "text/json"],
+    [
+        None,
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "application/json; charset=latin-1",
+        "application/jsonx",
+        "text/json",
+    ],
 )
 def test_a_body_not_sent_as_json_is_415_and_never_reaches_the_engine(server, path, content_type):
     before = prompt_tokens(server)
@@ -74,7 +85,9 @@ def test_multipart_form_is_415(server, path):
     assert_openai_error(r, 415)
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", 'application/json; charset="UTF-8"'])
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", 'application/json; charset="UTF-8"']
+)
 def test_json_content_types_with_utf8_charset_are_served(server, content_type):
     assert post(server, "/v1/chat/completions", CHAT_BODY, content_type=content_type).status_code == 200
 
@@ -90,10 +103,21 @@ def test_json_content_types_with_utf8_charset_are_served(server, content_type):
         ("/v1/completions", {**COMPLETION_BODY, "stop": [LONE_SURROGATE]}, "stop[0]"),
         ("/v1/chat/completions", {**CHAT_BODY, "stop": LONE_SURROGATE}, "stop"),
         ("/v1/chat/completions", {**CHAT_BODY, "user": LONE_SURROGATE}, "user"),
-        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": LONE_SURROGATE}]}, "messages[0].content"),
-        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": "hi", "name": "\udfff"}]}, "messages[0].name"),
-        ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
-         "messages[0].content[0].text"),
+        (
+            "/v1/chat/completions",
+            {**CHAT_BODY, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT_BODY, "messages": [{"role": "user", "content": "hi", "name": "\udfff"}]},
+            "messages[0].name",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
+            "messages[0].content[0].text",
+        ),
         ("/v1/chat/completions", {**CHAT_BODY, LONE_SURROGATE: 1}, None),
     ],
 )
@@ -128,7 +152,11 @@ BAD_NUMBERS = [
 @pytest.mark.parametrize("field, value", BAD_NUMBERS)
 def test_numbers_out_of_bounds_are_400_before_admission(server, path, field, value):
     before = prompt_tokens(server)
-    body = {**ENDPOINTS[path], field: value, "temperature": 1.0} if field != "temperature" else {**ENDPOINTS[path], field: value}
+    body = (
+        {**ENDPOINTS[path], field: value, "temperature": 1.0}
+        if field != "temperature"
+        else {**ENDPOINTS[path], field: value}
+    )
     error = assert_openai_error(post(server, path, body), 400)
     assert error["param"] == field and error["type"] == "invalid_request_error"
     assert prompt_tokens(server) == before
@@ -180,7 +208,14 @@ def test_top_k_beyond_the_vocabulary_is_never_a_500(server):
 
 def test_n_times_prompts_over_the_queue_limit_is_400_not_429(server):
     body = {**COMPLETION_BODY, "prompt": ["a", "b", "c", "d", "e", "f"], "n": 3}  # 18 > max_waiting 16
-    error = assert_openai_error(post(server, "/v1/completions", body, ), 400)
+    error = assert_openai_error(
+        post(
+            server,
+            "/v1/completions",
+            body,
+        ),
+        400,
+    )
     assert error["param"] == "n"
 
 
@@ -196,12 +231,42 @@ JSON_SCALARS = st.one_of(
 )
 JSON_VALUES = st.recursive(
     JSON_SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "method"]) | st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["role", "content", "type", "text", "method"]) | st.text(max_size=6), inner, max_size=4
+        )
+    ),
     max_leaves=12,
 )
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop",
-          "seed", "stream", "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "user",
-          "ignore_eos", "speculative", "best_of", "echo", "suffix", "response_format", "tools", "modalities"]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "ignore_eos",
+    "speculative",
+    "best_of",
+    "echo",
+    "suffix",
+    "response_format",
+    "tools",
+    "modalities",
+]
 
 
 def bodies(base: dict):

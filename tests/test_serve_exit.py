@@ -34,7 +34,11 @@ def test_a_fatal_engine_error_after_start_exits_non_zero(tiny_model_dir):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "failing_server.py"), str(tiny_model_dir), str(port)],
-        cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120

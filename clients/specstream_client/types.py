@@ -79,7 +79,14 @@ class ChatCompletion:
                 )
             )
         known, extra = _known(cls, data)
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")), extra)
+        return cls(
+            data.get("id", ""),
+            data.get("created", 0),
+            data.get("model", ""),
+            choices,
+            Usage.parse(data.get("usage")),
+            extra,
+        )
 
     @property
     def text(self) -> str:
@@ -121,7 +128,9 @@ class ChatCompletionChunk:
             )
             for c in data.get("choices", [])
         ]
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")))
+        return cls(
+            data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage"))
+        )
 
 
 @dataclass
@@ -146,10 +155,18 @@ class Completion:
     @classmethod
     def parse(cls, data: dict) -> Completion:
         choices = [
-            CompletionChoice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), c.get("logprobs"), SpeculativeStats.parse(c.get("speculative")))
+            CompletionChoice(
+                c.get("index", 0),
+                c.get("text", ""),
+                c.get("finish_reason"),
+                c.get("logprobs"),
+                SpeculativeStats.parse(c.get("speculative")),
+            )
             for c in data.get("choices", [])
         ]
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")))
+        return cls(
+            data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage"))
+        )
 
 
 @dataclass

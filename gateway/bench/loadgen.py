@@ -46,7 +46,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def one_request(client: AsyncClient, model: str, prompt_set: str, prompt: str, max_tokens: int, temperature: float) -> RequestResult:
+async def one_request(
+    client: AsyncClient, model: str, prompt_set: str, prompt: str, max_tokens: int, temperature: float
+) -> RequestResult:
     result = RequestResult(prompt_set, ok=False)
     start = time.perf_counter()
     last = None
@@ -107,7 +109,9 @@ def _progress(label: str, done: int, total: int) -> None:
     print(f"\r  {label}: {done}/{total} requests", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-async def run_concurrency(client, model, prompts, concurrency: int, num_requests: int, max_tokens: int, temperature: float, label: str):
+async def run_concurrency(
+    client, model, prompts, concurrency: int, num_requests: int, max_tokens: int, temperature: float, label: str
+):
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(prompts[i % len(prompts)])
@@ -127,7 +131,17 @@ async def run_concurrency(client, model, prompts, concurrency: int, num_requests
     return results, time.perf_counter() - start
 
 
-async def run_rate(client, model, prompts, rate: float, num_requests: int, max_tokens: int, temperature: float, label: str, seed: int = 0):
+async def run_rate(
+    client,
+    model,
+    prompts,
+    rate: float,
+    num_requests: int,
+    max_tokens: int,
+    temperature: float,
+    label: str,
+    seed: int = 0,
+):
     """Open loop: Poisson arrivals at `rate` requests/s, whatever the server's speed."""
     rng = random.Random(seed)
     results: list[RequestResult] = []
@@ -181,7 +195,8 @@ def acceptance_delta(before: dict | None, after: dict | None) -> dict | None:
     positions = sorted(after["per_pos"])
     return {
         "rounds_with_drafts": drafts,
-        "acceptance_rate": (after["accepted"] - before["accepted"]) / max(after["draft_tokens"] - before["draft_tokens"], 1),
+        "acceptance_rate": (after["accepted"] - before["accepted"])
+        / max(after["draft_tokens"] - before["draft_tokens"], 1),
         # P(draft at position i accepted | a round drafted), the vLLM definition.
         "per_position": [(after["per_pos"][p] - before["per_pos"].get(p, 0)) / drafts for p in positions],
     }
@@ -214,9 +229,13 @@ async def bench(
                 before = await scrape(http, metrics_url)
                 tag = f"{label} {name} {kind}={level}"
                 if kind == "rate":
-                    results, wall = await run_rate(client, model, prompts, level, num_requests, max_tokens, temperature, tag)
+                    results, wall = await run_rate(
+                        client, model, prompts, level, num_requests, max_tokens, temperature, tag
+                    )
                 else:
-                    results, wall = await run_concurrency(client, model, prompts, level, max(num_requests, level), max_tokens, temperature, tag)
+                    results, wall = await run_concurrency(
+                        client, model, prompts, level, max(num_requests, level), max_tokens, temperature, tag
+                    )
                 after = await scrape(http, metrics_url)
                 report["runs"].append(
                     {
@@ -232,21 +251,33 @@ async def bench(
     return report
 
 
+TABLE_HEADER = (
+    "| server | prompts | level | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) "
+    "| acceptance | errors |\n|---|---|---|---:|---|---|---:|---:|---:|"
+)
+
+
 def print_table(reports: list[dict]) -> None:
-    print("| server | prompts | level | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) | acceptance | errors |")
-    print("|---|---|---|---:|---|---|---:|---:|---:|")
+    print(TABLE_HEADER)
     for rep in reports:
         for run in rep["runs"]:
             s = run["summary"]
             level = f"c={run['concurrency']}" if "concurrency" in run else f"{run['rate']} req/s"
             acc = f"{run['acceptance']['acceptance_rate']:.0%}" if run.get("acceptance") else "-"
-            print(
-                f"| {rep['label']} | {run['prompt_set']} | {level} | {s['throughput_tok_s']} | {s['ttft_ms'][50]} / {s['ttft_ms'][99]} | "
-                f"{s['itl_ms'][50]} / {s['itl_ms'][99]} | {s['tpot_ms'][50]} | {acc} | {s['errors']} |"
-            )
+            cells = [
+                rep["label"],
+                run["prompt_set"],
+                level,
+                s["throughput_tok_s"],
+                f"{s['ttft_ms'][50]} / {s['ttft_ms'][99]}",
+                f"{s['itl_ms'][50]} / {s['itl_ms'][99]}",
+                s["tpot_ms"][50],
+                acc,
+                s["errors"],
+            ]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def write_json(reports: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(reports, indent=1))
-

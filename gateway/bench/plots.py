@@ -15,7 +15,11 @@ def plot(reports: list[dict], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, draw in (("latency_cdf.png", _latency_cdfs), ("throughput.png", _throughput), ("acceptance.png", _acceptance)):
+    for name, draw in (
+        ("latency_cdf.png", _latency_cdfs),
+        ("throughput.png", _throughput),
+        ("acceptance.png", _acceptance),
+    ):
         fig = draw(plt, reports)
         if fig is None:
             continue
