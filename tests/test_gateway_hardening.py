@@ -323,3 +323,46 @@ def test_random_bytes_never_get_a_500(server, path):
         check_answer(post(server, path, raw))
 
     check()
+
+
+# --------------------------------------------------------------------------- headers
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"authorization": b"Bearer \xff\xfe"},
+        {"authorization": "Bearer"},
+        {"authorization": "Basic a2V5"},
+        {"authorization": "Bearer " + "k" * 4000},
+    ],
+)
+async def test_odd_authorization_headers_are_401_in_openais_shape(headers):
+    from specstream import AsyncEngine as Engine
+
+    app = create_app(Engine(EngineConfig(model="unused")), GatewaySettings(api_keys=("key",)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
+    assert_openai_error(r, 401)
+
+
+def test_a_huge_declared_content_length_is_413_before_reading(server):
+    import socket
+
+    request = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {10**12}\r\nConnection: close\r\n\r\n{{}}"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request.encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    "method, path", [("GET", "/v1/chat/completions"), ("DELETE", "/v1/completions"), ("POST", "/health")]
+)
+def test_wrong_methods_are_405_in_openais_shape(server, method, path):
+    assert_openai_error(httpx.request(method, f"{server.url}{path}"), 405)
