@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -81,7 +82,7 @@ class ChoiceStreamResponse(EventSourceResponse):
             await self.close_streams()
 
 
-class OpenAIServing:
+class OpenAIServing(ABC):
     object_full: ClassVar[str]
     object_chunk: ClassVar[str]
     id_prefix: ClassVar[str]
@@ -99,24 +100,28 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- endpoint hooks
     @property
-    def max_tokens(self) -> int | None:
-        raise NotImplementedError
+    @abstractmethod
+    def max_tokens(self) -> int | None: ...
 
     @property
+    @abstractmethod
     def logprobs(self) -> int | None:
         """The engine's logprobs parameter: None = none, k = the token's and k alternatives."""
-        raise NotImplementedError
 
+    @abstractmethod
     def logprob_entries(self, index: int, chunk: StreamChunk) -> list:
-        raise NotImplementedError
+        """This chunk's tokens as the endpoint's per-token logprobs entries."""
 
+    @abstractmethod
     def choice_body(self, index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
-        raise NotImplementedError
+        """One choice of the full (non-streamed) response."""
 
+    @abstractmethod
     def chunk_choices(self, delta: Delta) -> list[dict]:
-        raise NotImplementedError
+        """The choices of the streamed chunks that carry one delta (one chunk each)."""
 
     def opening_choices(self) -> list[dict]:
+        """Choices to stream before any delta."""
         return []
 
     # --------------------------------------------------------------- validation

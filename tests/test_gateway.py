@@ -521,3 +521,16 @@ def test_logprob_bytes_rebuild_characters_split_across_tokens():
     ids = tok.encode(text)
     tb = TokenBytes(tok)
     assert bytes(b for i in ids for b in tb(i)[1]).decode("utf-8") == text
+
+
+def test_completion_text_offsets_index_the_text_sent_streamed_or_not(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, logprobs=1)
+    full = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    offsets = full.logprobs.text_offset
+    assert streamed == offsets and len(offsets) == 16
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(full.text)
+    tokens = full.logprobs.tokens
+    if "".join(tokens) == full.text:  # every token decodes on its own: offsets are exact
+        assert all(full.text.startswith(t, o) for t, o in zip(tokens, offsets, strict=True))
