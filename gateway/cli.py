@@ -1,4 +1,5 @@
-"""The `specstream` command line: `serve` runs the OpenAI-compatible server.
+"""The `specstream` command line: `serve` runs the OpenAI-compatible server; `chat` and
+`bench serve` talk to any OpenAI-compatible server through specstream_client's public API.
 
 Every flag has an environment variable (SPECSTREAM_<FLAG>, e.g. SPECSTREAM_PORT); flags win.
 """
@@ -9,6 +10,11 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
+    from gateway.settings import GatewaySettings
+    from specstream import AsyncEngine
 
 
 def _env(name: str, default=None):
@@ -95,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
 
 
-def serve(engine, settings, *, host: str, port: int, log_level: str = "info") -> int:
+def serve(engine: AsyncEngine, settings: GatewaySettings, *, host: str, port: int, log_level: str = "info") -> int:
     """Run the server until it is stopped (0) or the engine fails to load or fails fatally
     later (1, with the error on stderr), so that a supervisor restarts a failed server
     instead of leaving it answering 503 forever."""
