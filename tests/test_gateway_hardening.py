@@ -239,12 +239,49 @@ JSON_VALUES = st.recursive(
     ),
     max_leaves=12,
 )
-FIELDS = [
+SHORT_TEXT = st.text(max_size=12)
+# Values a client might plausibly send per field, so that many examples are valid and run the
+# engine with random sampling settings (streamed or not); JSON_VALUES supplies the nonsense.
+PLAUSIBLE = {
+    "model": st.just(MODEL),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": SHORT_TEXT}
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    "prompt": SHORT_TEXT
+    | st.lists(st.integers(0, 383), min_size=1, max_size=6)
+    | st.lists(SHORT_TEXT, min_size=1, max_size=2),
+    "max_tokens": st.integers(1, 8),
+    "max_completion_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 400),
+    "n": st.integers(1, 2),
+    "stop": SHORT_TEXT | st.lists(SHORT_TEXT, max_size=4),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "logprobs": st.booleans() | st.integers(0, 5),
+    "top_logprobs": st.integers(0, 20),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "user": SHORT_TEXT,
+    "ignore_eos": st.booleans(),
+    "speculative": st.just("off")
+    | st.fixed_dictionaries({"method": st.sampled_from(["ngram", "off"]), "num_speculative_tokens": st.integers(0, 8)}),
+    "best_of": st.integers(1, 2),
+    "echo": st.booleans(),
+    "response_format": st.just({"type": "text"}),
+    "modalities": st.just(["text"]),
+}
+
+
+COMMON_FIELDS = [
     "model",
-    "messages",
-    "prompt",
     "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -253,28 +290,37 @@ FIELDS = [
     "seed",
     "stream",
     "stream_options",
-    "logprobs",
-    "top_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "user",
     "ignore_eos",
     "speculative",
-    "best_of",
-    "echo",
-    "suffix",
-    "response_format",
-    "tools",
-    "modalities",
 ]
+ENDPOINT_FIELDS = {
+    "/v1/chat/completions": COMMON_FIELDS
+    + ["messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"],
+    "/v1/completions": COMMON_FIELDS + ["prompt", "best_of", "echo"],
+}
+LOGPROBS = {"/v1/chat/completions": st.booleans(), "/v1/completions": st.integers(0, 5)}
 
 
-def bodies(base: dict):
-    """A valid body with fields replaced, added or dropped at random; max_tokens stays small
-    when it is a small integer, so the examples that are valid run fast."""
-    changes = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), JSON_VALUES, max_size=5)
-    return st.tuples(changes, st.sets(st.sampled_from(sorted(base)), max_size=2)).map(
-        lambda c: {**{k: v for k, v in base.items() if k not in c[1]}, **c[0]}
+def bodies(path: str):
+    """The endpoint's valid base body, streamed or not, with some fields replaced, added or
+    dropped: half the examples use plausible values of the endpoint's own fields only, the
+    other half any field name with plausible or random JSON."""
+    base = ENDPOINTS[path]
+    plausible = {**PLAUSIBLE, "logprobs": LOGPROBS[path]}
+    own = st.lists(st.sampled_from(ENDPOINT_FIELDS[path] + ["logprobs"]), max_size=6, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries({k: plausible[k] for k in keys})
+    )
+    anything = st.lists(st.sampled_from(sorted(plausible)) | st.text(max_size=8), max_size=5, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries(
+            {k: plausible[k] | JSON_VALUES if k in plausible else JSON_VALUES for k in keys}
+        )
+    )
+    dropped = st.sets(st.sampled_from(sorted(base)), max_size=2)
+    return st.tuples(st.booleans(), dropped, own | anything).map(
+        lambda c: {"stream": c[0], **{k: v for k, v in base.items() if k not in c[1]}, **c[2]}
     )
 
 
@@ -306,7 +352,7 @@ def check_answer(r: httpx.Response) -> None:
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_random_json_bodies_never_get_a_500_and_4xx_have_openais_shape(server, path):
     @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
-    @given(body=bodies(ENDPOINTS[path]))
+    @given(body=bodies(path))
     def check(body):
         check_answer(post(server, path, short(body)))
 
