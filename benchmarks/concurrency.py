@@ -20,7 +20,7 @@ import torch
 
 from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig
 
-from clients.bench_prompts import GROUNDED, OPEN_CHAT
+from gateway.bench.prompts import GROUNDED, OPEN_CHAT
 
 
 def pct(values: list[float], q: float) -> float:

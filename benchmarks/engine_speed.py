@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from clients.bench_prompts import GROUNDED, OPEN_CHAT
+from gateway.bench.prompts import GROUNDED, OPEN_CHAT
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.models import load_model, load_tokenizer, resolve_model
 

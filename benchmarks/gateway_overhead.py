@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from _servers import free_port, wait_up  # noqa: E402
 
-from clients.bench_prompts import GROUNDED, OPEN_CHAT  # noqa: E402
+from gateway.bench.prompts import GROUNDED, OPEN_CHAT  # noqa: E402
 from specstream import AsyncEngine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
 
 

@@ -26,7 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import free_port, wait_up  # noqa: E402
 
-from clients.bench import bench, plot, print_table, write_json
+from gateway.bench.loadgen import bench, print_table, write_json
+from gateway.bench.plots import plot
 from specstream.models import resolve_model
 
 

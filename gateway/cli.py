@@ -1,4 +1,5 @@
-"""The `specstream` command line: `serve` runs the OpenAI-compatible server.
+"""The `specstream` command line: `serve` runs the OpenAI-compatible server; `chat` and
+`bench serve` talk to any OpenAI-compatible server through specstream_client's public API.
 
 Every flag has an environment variable (SPECSTREAM_<FLAG>, e.g. SPECSTREAM_PORT); flags win.
 """
@@ -9,6 +10,11 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
+    from gateway.settings import GatewaySettings
+    from specstream import AsyncEngine
 
 
 def _env(name: str, default=None):
@@ -19,7 +25,11 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API (default: the bundled smollm2-135m)")
     a = p.add_argument
     a("--model", default=_env("model", "smollm2-135m"), help="bundled alias, HF directory, .gguf path or hub id")
-    a("--served-model-name", default=_env("served_model_name"), help="the name clients send as 'model' (default: --model)")
+    a(
+        "--served-model-name",
+        default=_env("served_model_name"),
+        help="the name clients send as 'model' (default: --model)",
+    )
     a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
@@ -27,7 +37,12 @@ def _add_serve(sub) -> None:
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
     a("--port", type=int, default=int(_env("port", "8000")))
-    a("--api-key", action="append", default=None, help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)")
+    a(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)",
+    )
     a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
     a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", "512")))
     a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
@@ -40,9 +55,6 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gateway.app import create_app
     from gateway.settings import GatewaySettings
     from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
@@ -64,7 +76,10 @@ def _serve(args: argparse.Namespace) -> int:
             ),
         )
         settings = GatewaySettings(
-            served_model_name=args.served_model_name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes, max_n=args.max_n
+            served_model_name=args.served_model_name,
+            api_keys=tuple(keys),
+            max_body_bytes=args.max_body_bytes,
+            max_n=args.max_n,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -82,9 +97,33 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("specstream.gateway").info(
         "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
-    app = create_app(AsyncEngine(config, max_waiting=args.max_waiting), settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    engine = AsyncEngine(config, max_waiting=args.max_waiting)
+    return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def serve(engine: AsyncEngine, settings: GatewaySettings, *, host: str, port: int, log_level: str = "info") -> int:
+    """Run the server until it is stopped (0) or the engine fails to load or fails fatally
+    later (1, with the error on stderr), so that a supervisor restarts a failed server
+    instead of leaving it answering 503 forever."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    failures: list[BaseException] = []
+
+    def stop_on_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    app = create_app(engine, settings, on_engine_failure=stop_on_failure)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    )
+    server.run()
+    if failures:
+        print(f"error: the engine failed, exiting: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 def _add_chat(sub) -> None:
@@ -99,11 +138,13 @@ def _add_chat(sub) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from clients import Client
-    from clients.chat_repl import run_chat
+    from gateway.chat_repl import run_chat
+    from specstream_client import Client
 
     with Client(args.url, args.api_key, max_retries=2) as client:
-        return run_chat(client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
+        return run_chat(
+            client, model=args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature
+        )
 
 
 def _add_bench(sub) -> None:
@@ -128,7 +169,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from clients.bench import bench, plot, print_table, write_json
+    from gateway.bench.loadgen import bench, print_table, write_json
+    from gateway.bench.plots import plot
 
     report = asyncio.run(
         bench(

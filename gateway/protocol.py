@@ -4,12 +4,19 @@ and unknown fields are 400s; features we do not implement are named in the error
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import APIError
 from specstream import SamplingParams
+
+# Static bounds, checked before anything reaches the engine (which also checks top_k against
+# its vocabulary, and prompt + max_tokens against its context).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**20  # above any real vocabulary (the largest are about 2**18)
+MAX_TOKENS = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 # Fields of the OpenAI API that this server does not implement: a request using one gets a
 # 400 naming it (a falsy value, e.g. tools=[], is accepted as "not used").
@@ -32,6 +39,11 @@ UNSUPPORTED = {
 }
 
 
+def _wrap_int64(value: int) -> int:
+    """Seeds of the n choices are seed, seed + 1, ...: wrapped so each stays an int64."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -51,14 +63,14 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=1024)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM-style extras (through extra_body)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     ignore_eos: bool = False
     speculative: SpeculativeOptions | Literal["off"] | None = None
     # Known but unsupported: typed loosely so the error can name the feature.
@@ -92,9 +104,16 @@ class _SamplingFields(_Strict):
     def check_supported(self) -> None:
         for name, feature in UNSUPPORTED.items():
             if getattr(self, name, None):
-                raise APIError(400, f"{feature} is not supported by this server ('{name}')", param=name, code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{feature} is not supported by this server ('{name}')",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if self.modalities and set(self.modalities) != {"text"}:
-            raise APIError(400, "only the 'text' modality is supported", param="modalities", code="unsupported_parameter")
+            raise APIError(
+                400, "only the 'text' modality is supported", param="modalities", code="unsupported_parameter"
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -113,13 +132,15 @@ class _SamplingFields(_Strict):
             )
         return spec.num_speculative_tokens
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, seed_offset: int, engine_method: str) -> SamplingParams:
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, seed_offset: int, engine_method: str
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=None if self.seed is None else self.seed + seed_offset,
+            seed=None if self.seed is None else _wrap_int64(self.seed + seed_offset),
             stop=self.stops,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -140,7 +161,12 @@ class ChatMessage(_Strict):
     def text(self, index: int) -> str:
         where = f"messages[{index}]"
         if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id:
-            raise APIError(400, f"{where}: tool messages are not supported by this server", param=where, code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"{where}: tool messages are not supported by this server",
+                param=where,
+                code="unsupported_parameter",
+            )
         if self.content is None:
             raise APIError(400, f"{where}: content is required", param=f"{where}.content")
         if isinstance(self.content, str):
@@ -151,16 +177,23 @@ class ChatMessage(_Strict):
             if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
                 parts.append(part["text"])
             elif kind in ("image_url", "input_image", "input_audio", "file", "audio"):
-                raise APIError(400, f"{where}: {kind} content is not supported by this server (text only)", param=f"{where}.content[{j}]", code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{where}: {kind} content is not supported by this server (text only)",
+                    param=f"{where}.content[{j}]",
+                    code="unsupported_parameter",
+                )
             else:
-                raise APIError(400, f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", param=f"{where}.content[{j}]")
+                raise APIError(
+                    400, f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", param=f"{where}.content[{j}]"
+                )
         return "".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None
@@ -168,12 +201,20 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported", param="response_format", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "response_format other than {'type': 'text'} is not supported",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -185,17 +226,19 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=1024)
     echo: bool = False
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported by this server", param="best_of", code="unsupported_parameter")
+            raise APIError(
+                400, "best_of is not supported by this server", param="best_of", code="unsupported_parameter"
+            )
 
     def prompts(self) -> list:
         p = self.prompt
@@ -217,7 +260,7 @@ def parse(model: type[BaseModel], data: Any):
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = ".".join(str(x) for x in err["loc"])[:100]
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc) from None
         raise APIError(400, f"Invalid value for '{loc}': {err['msg']}", param=loc) from None

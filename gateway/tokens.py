@@ -11,7 +11,11 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable-character table used by byte-level BPE vocabularies."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in keep:

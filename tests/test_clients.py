@@ -8,9 +8,9 @@ import json
 import httpx
 import pytest
 
-import clients
-from clients import AsyncClient, Client
-from clients._sse import SSEDecoder
+import specstream_client
+from specstream_client import AsyncClient, Client
+from specstream_client._sse import SSEDecoder
 
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. The quick brown fox"}]
 
@@ -20,7 +20,13 @@ def chunk(content=None, finish=None, role=None, spec=None, usage=None, choices=T
     c = {"index": 0, "delta": delta, "finish_reason": finish}
     if spec:
         c["speculative"] = spec
-    body = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [c] if choices else []}
+    body = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [c] if choices else [],
+    }
     if usage:
         body["usage"] = usage
     return "data: " + json.dumps(body) + "\n\n"
@@ -45,7 +51,10 @@ def make_client(handler, **kw) -> Client:
 
 
 COMPLETION = {
-    "id": "x", "object": "chat.completion", "created": 5, "model": "m",
+    "id": "x",
+    "object": "chat.completion",
+    "created": 5,
+    "model": "m",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
 }
@@ -54,16 +63,23 @@ COMPLETION = {
 # --------------------------------------------------------------------------- SSE parsing
 def test_sse_decoder_joins_multiline_data_and_skips_comments():
     d = SSEDecoder()
-    events = [d.feed(line) for line in [": keep-alive", "event: update", "data: {\"a\":", "data: 1}", "id: 7", ""]]
+    events = [d.feed(line) for line in [": keep-alive", "event: update", 'data: {"a":', "data: 1}", "id: 7", ""]]
     assert events[:-1] == [None] * 5
     assert events[-1].event == "update" and events[-1].data == '{"a":\n1}'
 
 
 def test_stream_yields_typed_chunks_until_done():
-    parts = [": ping\n\n", chunk(role="assistant", content=""), chunk("Hel", spec={"drafted": 4, "accepted": 3, "tokens": 4}),
-             'data: {"id":"c1","created":1,"model":"m",\ndata: "choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n',
-             chunk(finish="stop"), chunk(choices=False, usage={"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
-             "data: [DONE]\n\n", chunk("never")]
+    parts = [
+        ": ping\n\n",
+        chunk(role="assistant", content=""),
+        chunk("Hel", spec={"drafted": 4, "accepted": 3, "tokens": 4}),
+        'data: {"id":"c1","created":1,"model":"m",\n'
+        'data: "choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n',
+        chunk(finish="stop"),
+        chunk(choices=False, usage={"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
+        "data: [DONE]\n\n",
+        chunk("never"),
+    ]
     seen = []
 
     def handler(request):
@@ -71,9 +87,11 @@ def test_stream_yields_typed_chunks_until_done():
         return httpx.Response(200, stream=RecordingStream(parts), headers={"content-type": "text/event-stream"})
 
     with make_client(handler) as c:
-        chunks = list(c.chat.completions.create(model="m", messages=CHAT, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(model="m", messages=CHAT, stream=True, stream_options={"include_usage": True})
+        )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello"
-    assert chunks[1].choices[0].speculative == clients.SpeculativeStats(4, 3, 4)
+    assert chunks[1].choices[0].speculative == specstream_client.SpeculativeStats(4, 3, 4)
     assert chunks[-1].usage.completion_tokens == 3
     body = json.loads(seen[0].content)
     assert body["stream"] is True and seen[0].headers["authorization"] == "Bearer sk-test"
@@ -86,13 +104,13 @@ def test_error_event_mid_stream_raises():
     stream = c.chat.completions.create(model="m", messages=CHAT, stream=True)
     it = iter(stream)
     next(it)
-    with pytest.raises(clients.APIError, match="engine died"):
+    with pytest.raises(specstream_client.APIError, match="engine died"):
         next(it)
 
 
 def test_malformed_data_raises():
     c = make_client(lambda r: httpx.Response(200, stream=RecordingStream(["data: {not json\n\n"])))
-    with pytest.raises(clients.APIError, match="malformed"):
+    with pytest.raises(specstream_client.APIError, match="malformed"):
         list(c.chat.completions.create(model="m", messages=CHAT, stream=True))
 
 
@@ -105,7 +123,7 @@ def test_dropped_connection_mid_stream_raises_and_is_not_retried():
 
     c = make_client(handler, max_retries=3)
     got = []
-    with pytest.raises(clients.APIConnectionError):
+    with pytest.raises(specstream_client.APIConnectionError):
         for ch in c.chat.completions.create(model="m", messages=CHAT, stream=True):
             got.append(ch)
     assert len(got) == 2 and len(calls) == 1
@@ -113,7 +131,7 @@ def test_dropped_connection_mid_stream_raises_and_is_not_retried():
 
 def test_stream_ending_without_done_raises_unless_every_choice_finished():
     c = make_client(lambda r: httpx.Response(200, stream=RecordingStream([chunk("a")])))
-    with pytest.raises(clients.APIConnectionError, match="DONE"):
+    with pytest.raises(specstream_client.APIConnectionError, match="DONE"):
         list(c.chat.completions.create(model="m", messages=CHAT, stream=True))
     # Some servers close right after the final finish_reason without [DONE]: complete.
     c = make_client(lambda r: httpx.Response(200, stream=RecordingStream([chunk("a"), chunk(finish="stop")])))
@@ -143,12 +161,14 @@ def test_retries_5xx_then_succeeds():
 
 def test_429_honours_retry_after(monkeypatch):
     sleeps = []
-    monkeypatch.setattr("clients._client.time.sleep", sleeps.append)
+    monkeypatch.setattr("specstream_client._client.time.sleep", sleeps.append)
     statuses = iter([429, 200])
 
     def handler(request):
         s = next(statuses)
-        return httpx.Response(s, json=COMPLETION if s == 200 else {"error": {"message": "full"}}, headers={"Retry-After": "3"})
+        return httpx.Response(
+            s, json=COMPLETION if s == 200 else {"error": {"message": "full"}}, headers={"Retry-After": "3"}
+        )
 
     make_client(handler).chat.completions.create(model="m", messages=CHAT)
     assert sleeps == [3.0]
@@ -165,9 +185,13 @@ def test_exhausted_retries_raise_rate_limit_error():
 
     def handler(request):
         calls.append(1)
-        return httpx.Response(429, json={"error": {"message": "queue full", "type": "rate_limit_error", "code": "queue_full"}}, headers={"Retry-After": "0"})
+        return httpx.Response(
+            429,
+            json={"error": {"message": "queue full", "type": "rate_limit_error", "code": "queue_full"}},
+            headers={"Retry-After": "0"},
+        )
 
-    with pytest.raises(clients.RateLimitError) as err:
+    with pytest.raises(specstream_client.RateLimitError) as err:
         make_client(handler, max_retries=2).chat.completions.create(model="m", messages=CHAT)
     assert len(calls) == 3 and err.value.code == "queue_full" and err.value.status_code == 429
 
@@ -179,12 +203,20 @@ def test_connect_errors_are_retried_then_raised():
         calls.append(1)
         raise httpx.ConnectError("refused")
 
-    with pytest.raises(clients.APIConnectionError):
+    with pytest.raises(specstream_client.APIConnectionError):
         make_client(handler, max_retries=2).models.list()
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("status, cls", [(400, clients.BadRequestError), (401, clients.AuthenticationError), (404, clients.NotFoundError), (413, clients.BadRequestError)])
+@pytest.mark.parametrize(
+    "status, cls",
+    [
+        (400, specstream_client.BadRequestError),
+        (401, specstream_client.AuthenticationError),
+        (404, specstream_client.NotFoundError),
+        (413, specstream_client.BadRequestError),
+    ],
+)
 def test_client_errors_map_to_classes_and_are_not_retried(status, cls):
     calls = []
 
@@ -195,7 +227,7 @@ def test_client_errors_map_to_classes_and_are_not_retried(status, cls):
     with pytest.raises(cls) as err:
         make_client(handler).chat.completions.create(model="m", messages=CHAT)
     assert len(calls) == 1 and err.value.message == "nope" and err.value.param == "p"
-    assert isinstance(err.value, clients.APIError)
+    assert isinstance(err.value, specstream_client.APIError)
 
 
 def test_timeouts_raise_timeout_error_and_per_call_override_is_sent():
@@ -205,7 +237,7 @@ def test_timeouts_raise_timeout_error_and_per_call_override_is_sent():
         seen.append(request.extensions["timeout"])
         raise httpx.ReadTimeout("slow")
 
-    with pytest.raises(clients.APITimeoutError):
+    with pytest.raises(specstream_client.APITimeoutError):
         make_client(handler).chat.completions.create(model="m", messages=CHAT, timeout=2.5)
     assert seen[0]["read"] == 2.5 and len(seen) == 1
 
@@ -217,7 +249,9 @@ async def test_async_client_streams_and_retries():
         s = next(statuses)
         if s != 200:
             return httpx.Response(s, json={"error": {"message": "busy"}})
-        return httpx.Response(200, content=(chunk("Hi") + chunk(" there") + chunk(finish="stop") + "data: [DONE]\n\n").encode())
+        return httpx.Response(
+            200, content=(chunk("Hi") + chunk(" there") + chunk(finish="stop") + "data: [DONE]\n\n").encode()
+        )
 
     async with AsyncClient("http://t/v1", transport=httpx.MockTransport(handler), backoff=0.001) as c:
         text = [t async for t in c.chat.completions.stream_text(model="m", messages=CHAT)]
@@ -232,7 +266,13 @@ def live(tiny_model_dir):
     from gateway_server import LiveServer
     from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+    engine = AsyncEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        )
+    )
     with LiveServer(create_app(engine, GatewaySettings(served_model_name="tiny", api_keys=("k",)))) as server:
         yield server
 
@@ -241,10 +281,19 @@ def test_live_sync_client(live):
     with Client(f"{live.url}/v1", "k") as c:
         r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
         text = "".join(c.chat.completions.stream_text(model="tiny", messages=CHAT, max_tokens=12, temperature=0))
-        chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny",
+                messages=CHAT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         comp = c.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
         assert [m.id for m in c.models.list()] == ["tiny"]
-        with pytest.raises(clients.NotFoundError):
+        with pytest.raises(specstream_client.NotFoundError):
             c.chat.completions.create(model="other", messages=CHAT)
     assert r.text == text and r.usage.completion_tokens == 12
     assert chunks[-1].usage.completion_tokens == 12
@@ -257,7 +306,7 @@ async def test_live_async_client(live):
         r = await c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
         stream = await c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, stream=True)
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
-        with pytest.raises(clients.AuthenticationError):
+        with pytest.raises(specstream_client.AuthenticationError):
             await AsyncClient(f"{live.url}/v1", "bad").models.list()
     assert r.text == text
 
@@ -265,7 +314,7 @@ async def test_live_async_client(live):
 def test_chat_repl_keeps_the_conversation_and_prints_stats(live):
     import io
 
-    from clients.chat_repl import run_chat
+    from gateway.chat_repl import run_chat
 
     inputs = iter(["The quick brown fox", "", "/reset", "jumps over", "/exit"])
     out = io.StringIO()

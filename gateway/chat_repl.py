@@ -7,8 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from clients._client import Client
-from clients._exceptions import APIError
+from specstream_client import APIError, Client
 
 HELP = "commands: /reset clears the conversation, /exit quits"
 
@@ -53,7 +52,12 @@ def run_chat(
         print("assistant> ", end="", file=out, flush=True)
         try:
             with client.chat.completions.create(
-                model=model, messages=messages, stream=True, max_tokens=max_tokens, temperature=temperature, stream_options={"include_usage": True}
+                model=model,
+                messages=messages,
+                stream=True,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                stream_options={"include_usage": True},
             ) as stream:
                 for chunk in stream:
                     if chunk.usage:

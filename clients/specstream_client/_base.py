@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from clients._exceptions import APIConnectionError, APITimeoutError, error_from_body
+from specstream_client._exceptions import APIConnectionError, APITimeoutError, error_from_body
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -31,9 +31,15 @@ class BaseClient:
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        self.base_url = (base_url or os.environ.get("SPECSTREAM_BASE_URL") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
-        self.api_key = api_key if api_key is not None else os.environ.get("SPECSTREAM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self.base_url = (
+            base_url or os.environ.get("SPECSTREAM_BASE_URL") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+        ).rstrip("/")
+        self.api_key = (
+            api_key if api_key is not None else os.environ.get("SPECSTREAM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        )
+        self.timeout = (
+            timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        )
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff

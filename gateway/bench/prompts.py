@@ -8,14 +8,14 @@ PARAGRAPH = (
     "several tokens costs about as much as generating one, every accepted guess is almost "
     "free. The output is exactly what the large model would have produced on its own."
 )
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     result = []
     for i in range(len(values)):
         start = max(0, i - window + 1)
         chunk = values[start:i + 1]
         result.append(sum(chunk) / len(chunk))
     return result
-'''
+"""
 BUGGY_CODE = CODE.replace("i + 1]", "i]")
 # Input-grounded tasks (rewrite, summarize, extract, edit code) phrased so that a 135M model
 # actually does them: its answers reuse the input, which is where prompt lookup pays.

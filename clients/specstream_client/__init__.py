@@ -1,15 +1,15 @@
-"""clients: a small typed httpx SDK for OpenAI-style servers (specstream's or any other).
+"""specstream_client: a small typed httpx SDK for OpenAI-style servers (specstream's or any other).
 
 Speaks HTTP only; imports neither specstream nor gateway.
 
-    from clients import Client
+    from specstream_client import Client
     with Client("http://127.0.0.1:8000/v1") as c:
         for text in c.chat.completions.stream_text(model="smollm2-135m", messages=[...]):
             print(text, end="")
 """
 
-from clients._client import AsyncClient, AsyncStream, Client, Stream
-from clients._exceptions import (
+from specstream_client._client import AsyncClient, AsyncStream, Client, Stream
+from specstream_client._exceptions import (
     APIConnectionError,
     APIError,
     APIStatusError,
@@ -20,7 +20,7 @@ from clients._exceptions import (
     NotFoundError,
     RateLimitError,
 )
-from clients.types import ChatCompletion, ChatCompletionChunk, Completion, Model, SpeculativeStats, Usage
+from specstream_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, SpeculativeStats, Usage
 
 __all__ = [
     "APIConnectionError",

@@ -9,7 +9,8 @@ class APIError(Exception):
         self.message = message
         self.status_code = status_code
         self.body = body or {}
-        err = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
+        found = self.body.get("error")
+        err: dict = found if isinstance(found, dict) else {}
         self.type: str | None = err.get("type")
         self.code: str | None = err.get("code")
         self.param: str | None = err.get("param")
@@ -49,7 +50,10 @@ class APITimeoutError(APIConnectionError):
 
 def error_from_body(status_code: int | None, body: dict | None, fallback: str) -> APIStatusError:
     err = (body or {}).get("error")
-    message = err.get("message") if isinstance(err, dict) and err.get("message") else fallback
+    message = err.get("message") if isinstance(err, dict) and err.get("message") else None
+    if not isinstance(message, str):
+        message = fallback
+    cls: type[APIStatusError]
     if status_code in (400, 413, 422):
         cls = BadRequestError
     elif status_code in (401, 403):

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 
 import httpx
 
-from clients._base import BaseClient
-from clients._exceptions import APIConnectionError
-from clients._sse import DONE, aiter_payloads, decode_payload, iter_payloads
-from clients.types import ChatCompletion, ChatCompletionChunk, Completion, Model
+from specstream_client._base import BaseClient
+from specstream_client._exceptions import APIConnectionError
+from specstream_client._sse import DONE, aiter_payloads, decode_payload, iter_payloads
+from specstream_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model
 
 
 class StreamEnd:
@@ -49,7 +49,7 @@ def _chat_params(model, messages, kw) -> dict:
 class Stream:
     """Typed chunks of one streamed response."""
 
-    def __init__(self, payloads: Iterator[dict], parse) -> None:
+    def __init__(self, payloads: Generator[dict, None, None], parse) -> None:
         self._payloads = payloads
         self._parse = parse
 
@@ -68,7 +68,7 @@ class Stream:
 
 
 class AsyncStream:
-    def __init__(self, payloads: AsyncIterator[dict], parse) -> None:
+    def __init__(self, payloads: AsyncGenerator[dict, None], parse) -> None:
         self._payloads = payloads
         self._parse = parse
 
@@ -88,9 +88,18 @@ class AsyncStream:
 
 # ------------------------------------------------------------------------------ sync
 class Client(BaseClient):
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, transport: httpx.BaseTransport | None = None, **kw) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        **kw,
+    ) -> None:
         super().__init__(base_url, api_key, **kw)
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self.headers, timeout=self.timeout, transport=transport
+        )
         self.chat = _Chat(_ChatCompletions(self))
         self.completions = _Completions(self)
         self.models = _Models(self)
@@ -129,7 +138,7 @@ class Client(BaseClient):
     def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
         return self.json_body(self._send(method, path, body, timeout, stream=False))
 
-    def _events(self, path: str, body: dict, timeout=None) -> Iterator[dict]:
+    def _events(self, path: str, body: dict, timeout=None) -> Generator[dict, None, None]:
         response = self._send("POST", path, body, timeout, stream=True)
         ended = StreamEnd()
         try:
@@ -155,7 +164,16 @@ class _ChatCompletions:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def create(self, *, model: str, messages: list[dict], stream: bool = False, timeout=None, extra_body: dict | None = None, **kw):
+    def create(
+        self,
+        *,
+        model: str,
+        messages: list[dict],
+        stream: bool = False,
+        timeout=None,
+        extra_body: dict | None = None,
+        **kw,
+    ):
         """A ChatCompletion, or with stream=True a Stream of ChatCompletionChunk."""
         body = self._client.body(_chat_params(model, messages, kw), extra_body)
         if stream:
@@ -194,9 +212,18 @@ class _Models:
 
 # ----------------------------------------------------------------------------- async
 class AsyncClient(BaseClient):
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, transport: httpx.AsyncBaseTransport | None = None, **kw) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        **kw,
+    ) -> None:
         super().__init__(base_url, api_key, **kw)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self.headers, timeout=self.timeout, transport=transport
+        )
         self.chat = _Chat(_AsyncChatCompletions(self))
         self.completions = _AsyncCompletions(self)
         self.models = _AsyncModels(self)
@@ -235,7 +262,7 @@ class AsyncClient(BaseClient):
     async def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
         return self.json_body(await self._send(method, path, body, timeout, stream=False))
 
-    async def _events(self, path: str, body: dict, timeout=None) -> AsyncIterator[dict]:
+    async def _events(self, path: str, body: dict, timeout=None) -> AsyncGenerator[dict, None]:
         response = await self._send("POST", path, body, timeout, stream=True)
         ended = StreamEnd()
         try:
@@ -256,7 +283,16 @@ class _AsyncChatCompletions:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, *, model: str, messages: list[dict], stream: bool = False, timeout=None, extra_body: dict | None = None, **kw):
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: list[dict],
+        stream: bool = False,
+        timeout=None,
+        extra_body: dict | None = None,
+        **kw,
+    ):
         body = self._client.body(_chat_params(model, messages, kw), extra_body)
         if stream:
             body["stream"] = True
@@ -276,7 +312,9 @@ class _AsyncCompletions:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, *, model: str, prompt, stream: bool = False, timeout=None, extra_body: dict | None = None, **kw):
+    async def create(
+        self, *, model: str, prompt, stream: bool = False, timeout=None, extra_body: dict | None = None, **kw
+    ):
         body = self._client.body({"model": model, "prompt": prompt, **kw}, extra_body)
         if stream:
             body["stream"] = True

@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 
-from clients._exceptions import APIError, error_from_body
+from specstream_client._exceptions import APIError, error_from_body
 
 DONE = object()
 
@@ -62,7 +62,9 @@ def decode_payload(event: ServerSentEvent):
     if event.event == "error" or "error" in payload:
         body = payload if "error" in payload else {"error": payload}
         err = body["error"] if isinstance(body["error"], dict) else {"message": str(body["error"])}
-        raise error_from_body(err.get("status"), {"error": err}, "the server reported an error mid-stream")
+        status = err.get("status")
+        status_code = status if isinstance(status, int) else None
+        raise error_from_body(status_code, {"error": err}, "the server reported an error mid-stream")
     return payload
 
 

@@ -16,10 +16,16 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache (usage.prompt_tokens_details)
 
     @classmethod
     def parse(cls, data: dict | None) -> Usage | None:
-        return cls(**_known(cls, data)[0]) if data else None
+        if not data:
+            return None
+        details = data.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        known = {k: v for k, v in _known(cls, data)[0].items() if k != "cached_tokens"}
+        return cls(**known, cached_tokens=cached or 0)
 
 
 @dataclass
@@ -73,7 +79,14 @@ class ChatCompletion:
                 )
             )
         known, extra = _known(cls, data)
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")), extra)
+        return cls(
+            data.get("id", ""),
+            data.get("created", 0),
+            data.get("model", ""),
+            choices,
+            Usage.parse(data.get("usage")),
+            extra,
+        )
 
     @property
     def text(self) -> str:
@@ -115,7 +128,9 @@ class ChatCompletionChunk:
             )
             for c in data.get("choices", [])
         ]
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")))
+        return cls(
+            data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage"))
+        )
 
 
 @dataclass
@@ -140,10 +155,18 @@ class Completion:
     @classmethod
     def parse(cls, data: dict) -> Completion:
         choices = [
-            CompletionChoice(c.get("index", 0), c.get("text", ""), c.get("finish_reason"), c.get("logprobs"), SpeculativeStats.parse(c.get("speculative")))
+            CompletionChoice(
+                c.get("index", 0),
+                c.get("text", ""),
+                c.get("finish_reason"),
+                c.get("logprobs"),
+                SpeculativeStats.parse(c.get("speculative")),
+            )
             for c in data.get("choices", [])
         ]
-        return cls(data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage")))
+        return cls(
+            data.get("id", ""), data.get("created", 0), data.get("model", ""), choices, Usage.parse(data.get("usage"))
+        )
 
 
 @dataclass

@@ -4,8 +4,8 @@ any other) over HTTP, at fixed concurrency levels or an open-loop request rate.
 Per request it records TTFT, the gaps between streamed chunks (ITL), TPOT, end-to-end
 latency and tokens; per run, throughput; and when the server exposes specstream's
 Prometheus metrics, draft acceptance per position (from /metrics before and after).
-Results go to a JSON file and PNG plots (latency CDFs, throughput and speedup vs
-concurrency, acceptance per position).
+Results go to a JSON file and, through gateway.bench.plots, PNG plots. It talks to the
+server only through the SDK's public API and plain HTTP.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from clients._client import AsyncClient
-from clients._exceptions import APIError
-from clients.bench_prompts import PROMPT_SETS
+from gateway.bench.prompts import PROMPT_SETS
+from specstream_client import AsyncClient, APIError
 
 
 @dataclass
@@ -47,7 +46,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def one_request(client: AsyncClient, model: str, prompt_set: str, prompt: str, max_tokens: int, temperature: float) -> RequestResult:
+async def one_request(
+    client: AsyncClient, model: str, prompt_set: str, prompt: str, max_tokens: int, temperature: float
+) -> RequestResult:
     result = RequestResult(prompt_set, ok=False)
     start = time.perf_counter()
     last = None
@@ -108,7 +109,9 @@ def _progress(label: str, done: int, total: int) -> None:
     print(f"\r  {label}: {done}/{total} requests", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-async def run_concurrency(client, model, prompts, concurrency: int, num_requests: int, max_tokens: int, temperature: float, label: str):
+async def run_concurrency(
+    client, model, prompts, concurrency: int, num_requests: int, max_tokens: int, temperature: float, label: str
+):
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(prompts[i % len(prompts)])
@@ -128,7 +131,17 @@ async def run_concurrency(client, model, prompts, concurrency: int, num_requests
     return results, time.perf_counter() - start
 
 
-async def run_rate(client, model, prompts, rate: float, num_requests: int, max_tokens: int, temperature: float, label: str, seed: int = 0):
+async def run_rate(
+    client,
+    model,
+    prompts,
+    rate: float,
+    num_requests: int,
+    max_tokens: int,
+    temperature: float,
+    label: str,
+    seed: int = 0,
+):
     """Open loop: Poisson arrivals at `rate` requests/s, whatever the server's speed."""
     rng = random.Random(seed)
     results: list[RequestResult] = []
@@ -182,7 +195,8 @@ def acceptance_delta(before: dict | None, after: dict | None) -> dict | None:
     positions = sorted(after["per_pos"])
     return {
         "rounds_with_drafts": drafts,
-        "acceptance_rate": (after["accepted"] - before["accepted"]) / max(after["draft_tokens"] - before["draft_tokens"], 1),
+        "acceptance_rate": (after["accepted"] - before["accepted"])
+        / max(after["draft_tokens"] - before["draft_tokens"], 1),
         # P(draft at position i accepted | a round drafted), the vLLM definition.
         "per_position": [(after["per_pos"][p] - before["per_pos"].get(p, 0)) / drafts for p in positions],
     }
@@ -215,9 +229,13 @@ async def bench(
                 before = await scrape(http, metrics_url)
                 tag = f"{label} {name} {kind}={level}"
                 if kind == "rate":
-                    results, wall = await run_rate(client, model, prompts, level, num_requests, max_tokens, temperature, tag)
+                    results, wall = await run_rate(
+                        client, model, prompts, level, num_requests, max_tokens, temperature, tag
+                    )
                 else:
-                    results, wall = await run_concurrency(client, model, prompts, level, max(num_requests, level), max_tokens, temperature, tag)
+                    results, wall = await run_concurrency(
+                        client, model, prompts, level, max(num_requests, level), max_tokens, temperature, tag
+                    )
                 after = await scrape(http, metrics_url)
                 report["runs"].append(
                     {
@@ -233,96 +251,33 @@ async def bench(
     return report
 
 
-def plot(reports: list[dict], out_dir: Path) -> list[Path]:
-    """Latency CDFs, throughput and speedup vs concurrency, acceptance per position."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    sets = sorted({run["prompt_set"] for rep in reports for run in rep["runs"]})
-
-    fig, axes = plt.subplots(len(sets), 2, figsize=(11, 4 * len(sets)), squeeze=False)
-    for row, name in enumerate(sets):
-        for col, key in enumerate(("ttft_s", "itl_s")):
-            ax = axes[row][col]
-            for rep in reports:
-                for run in rep["runs"]:
-                    if run["prompt_set"] != name or not run[key]:
-                        continue
-                    values = sorted(v * 1000 for v in run[key])
-                    level = run.get("concurrency", run.get("rate"))
-                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{rep['label']} @{level}")
-            ax.set_xlabel(("TTFT" if key == "ttft_s" else "inter-chunk latency") + " (ms)")
-            ax.set_ylabel("fraction of requests" if key == "ttft_s" else "fraction of chunks")
-            ax.set_xscale("log")
-            ax.set_title(f"{name}: {'TTFT' if key == 'ttft_s' else 'ITL'} CDF")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "latency_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for rep in reports:
-        for name in sets:
-            runs = sorted((r for r in rep["runs"] if r["prompt_set"] == name and "concurrency" in r), key=lambda r: r["concurrency"])
-            if not runs:
-                continue
-            xs = [r["concurrency"] for r in runs]
-            ys = [r["summary"]["throughput_tok_s"] or 0 for r in runs]
-            axes[0].plot(xs, ys, marker="o", label=f"{rep['label']} {name}")
-            axes[1].plot(xs, [y / ys[0] if ys[0] else 0 for y in ys], marker="o", label=f"{rep['label']} {name}")
-    axes[0].set_title("throughput vs concurrency")
-    axes[0].set_ylabel("tokens/s")
-    axes[1].set_title("speedup vs its own concurrency-1 throughput")
-    axes[1].set_ylabel("x")
-    for ax in axes:
-        ax.set_xlabel("concurrent streams")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "throughput.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    accepted = [(rep["label"], run) for rep in reports for run in rep["runs"] if run.get("acceptance")]
-    if accepted:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for label, run in accepted:
-            per = run["acceptance"]["per_position"]
-            level = run.get("concurrency", run.get("rate"))
-            ax.plot(range(1, len(per) + 1), per, marker="o", label=f"{label} {run['prompt_set']} @{level}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("P(accepted | round drafted)")
-        ax.set_title("acceptance per draft position")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out_dir / "acceptance.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
+TABLE_HEADER = (
+    "| server | prompts | level | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) "
+    "| acceptance | errors |\n|---|---|---|---:|---|---|---:|---:|---:|"
+)
 
 
 def print_table(reports: list[dict]) -> None:
-    print("| server | prompts | level | tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) | acceptance | errors |")
-    print("|---|---|---|---:|---|---|---:|---:|---:|")
+    print(TABLE_HEADER)
     for rep in reports:
         for run in rep["runs"]:
             s = run["summary"]
             level = f"c={run['concurrency']}" if "concurrency" in run else f"{run['rate']} req/s"
             acc = f"{run['acceptance']['acceptance_rate']:.0%}" if run.get("acceptance") else "-"
-            print(
-                f"| {rep['label']} | {run['prompt_set']} | {level} | {s['throughput_tok_s']} | {s['ttft_ms'][50]} / {s['ttft_ms'][99]} | "
-                f"{s['itl_ms'][50]} / {s['itl_ms'][99]} | {s['tpot_ms'][50]} | {acc} | {s['errors']} |"
-            )
+            cells = [
+                rep["label"],
+                run["prompt_set"],
+                level,
+                s["throughput_tok_s"],
+                f"{s['ttft_ms'][50]} / {s['ttft_ms'][99]}",
+                f"{s['itl_ms'][50]} / {s['itl_ms'][99]}",
+                s["tpot_ms"][50],
+                acc,
+                s["errors"],
+            ]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def write_json(reports: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(reports, indent=1))
-

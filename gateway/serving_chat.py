@@ -1,0 +1,78 @@
+"""ServingChat: /v1/chat/completions in OpenAI's shapes over OpenAIServing's one path."""
+
+from __future__ import annotations
+
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import Delta, OpenAIServing
+from gateway.state import ServingState
+from specstream import StreamChunk
+
+
+class ServingChat(OpenAIServing):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+
+    def __init__(self, state: ServingState, req: ChatCompletionRequest) -> None:
+        super().__init__(state, req, [req.chat_messages()], choices_per_prompt=req.n)
+        self.req: ChatCompletionRequest = req
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.req.requested_max_tokens
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.req.logprobs_count
+
+    def logprob_entries(self, index: int, chunk: StreamChunk) -> list[dict]:
+        token_bytes = self.state.token_bytes
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text, raw = token_bytes(token_id)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+
+        return [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in chunk.logprobs or []
+        ]
+
+    def _logprobs_field(self, entries: list[dict]) -> dict | None:
+        return {"content": entries, "refusal": None} if self.req.logprobs else None
+
+    def choice_body(self, index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": self._logprobs_field(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    def opening_choices(self) -> list[dict]:
+        """OpenAI's first chunk of each choice: the role, no content yet."""
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.req.n)
+        ]
+
+    def chunk_choices(self, delta: Delta) -> list[dict]:
+        """A content chunk when there is text, then OpenAI's separate finishing chunk with
+        an empty delta; the speculative stats ride on the first of them."""
+        out = []
+        if delta.text or delta.logprobs:
+            out.append(
+                {
+                    "index": delta.index,
+                    "delta": {"content": delta.text},
+                    "logprobs": self._logprobs_field(delta.logprobs),
+                    "finish_reason": None,
+                    "speculative": delta.speculative,
+                }
+            )
+        if delta.finish_reason is not None:
+            final = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+            if not out and delta.speculative["tokens"]:
+                final["speculative"] = delta.speculative
+            out.append(final)
+        return out

@@ -1,0 +1,61 @@
+"""`specstream serve` exits non-zero, with the reason on stderr, when its model fails to
+load and when its engine fails fatally later, so a supervisor restarts it instead of
+leaving it answering 503 forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_env() -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients")])}
+    return env
+
+
+def test_a_model_that_fails_to_load_exits_non_zero_with_the_message():
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", "nosuch/model", "--port", str(free_port())]
+    done = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "could not load 'nosuch/model'" in done.stderr and "error: the engine failed, exiting" in done.stderr
+
+
+def test_a_fatal_engine_error_after_start_exits_non_zero(tiny_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "failing_server.py"), str(tiny_model_dir), str(port)],
+        cwd=ROOT,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "injected fatal fault" in stderr and "error: the engine failed, exiting" in stderr
