@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.errors import APIError
+from gateway.playground import playground_routes
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenBytes
@@ -522,6 +523,8 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if settings.playground:
+        routes += playground_routes(engine)
     return Starlette(
         routes=routes,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
