@@ -217,6 +217,7 @@ class Engine:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         self.metrics.finished.labels(finished_reason="abort").inc()
+        self._update_gauges()  # an idle engine takes no further step that would refresh them
         return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", Usage(seq.num_prompt_tokens, seq.num_output_tokens))
 
     def has_unfinished(self) -> bool:

@@ -46,7 +46,10 @@ CHROMIUM_FLAGS = [
 ]
 KEY = "playground-test-key"
 # A copy-heavy request: n-gram lookup finds most of the answer in the prompt.
-GROUNDED = "Rewrite in the past tense: The quick brown fox jumps over the lazy dog and runs into the forest."
+GROUNDED = (
+    "Rewrite in the past tense: The quick brown fox jumps over the lazy dog and runs into the forest. "
+    "It finds a river, drinks the cold water and sleeps under an old tree until the sun goes down."
+)
 
 
 def no_timing_speculation(k: int) -> SpeculativeConfig:
@@ -152,12 +155,12 @@ def severe_console_errors(chrome) -> list[str]:
 # ------------------------------------------------------------------------------ the page
 def test_reply_streams_in_coloured_by_how_its_tokens_arrived(chrome, default_server, tmp_path):
     open_page(chrome, default_server, "model smollm2-135m")
-    set_field(chrome, "max-tokens", "40")
+    set_field(chrome, "max-tokens", "64")
     send(chrome, GROUNDED)
     stats = wait_reply_done(chrome)
 
     # The page shows exactly the server's greedy reply, split by label with no leftovers.
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": GROUNDED}], "max_tokens": 40, "temperature": 0}
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": GROUNDED}], "max_tokens": 64, "temperature": 0}
     expected = httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=300).json()
     assert reply_texts(chrome) == [expected["choices"][0]["message"]["content"]]
     drafted = chrome.find_elements(By.CSS_SELECTOR, "#transcript .assistant .tok-draft")
@@ -169,7 +172,7 @@ def test_reply_streams_in_coloured_by_how_its_tokens_arrived(chrome, default_ser
 
     assert f"{expected['usage']['completion_tokens']} tokens · " in stats
     assert re.search(r"\d+\.\d tok/s · first token \d+ ms · \d+\.\d\d accepted/round over \d+ rounds", stats), stats
-    assert stats.endswith("· length")
+    assert stats.endswith(f"· {expected['choices'][0]['finish_reason']}")
 
     # The live charts: acceptance bars per draft position and a tokens/s line from /metrics.
     wait_for(chrome, lambda: chrome.find_elements(By.CSS_SELECTOR, "#chart-acceptance rect.bar"), "acceptance bars")
