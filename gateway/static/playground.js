@@ -91,7 +91,8 @@
     }
     const body = await response.json();
     model = body.data && body.data.length ? body.data[0].id : null;
-    setStatus(model ? `model ${model} · speculation ${serverMethod}` : "the server lists no model", model ? "ok" : "bad");
+    if (model) setStatus(`model ${model} · speculation ${serverMethod}`, "ok");
+    else setStatus("the server lists no model", "bad");
   }
 
   // ------------------------------------------------------------------ SSE over fetch
@@ -217,7 +218,9 @@
         const [firstTime, firstTokens] = this.first;
         const seconds = (this.last - firstTime) / 1000;
         // Generation speed after the first round, so the prompt's prefill is not in it.
-        const rate = seconds > 0 ? (this.tokens - firstTokens) / seconds : this.tokens / ((this.last - this.sent) / 1000);
+        const rate = seconds > 0
+          ? (this.tokens - firstTokens) / seconds
+          : this.tokens / ((this.last - this.sent) / 1000);
         parts.push(`${rate.toFixed(1)} tok/s`, `first token ${Math.round(firstTime - this.sent)} ms`);
         parts.push(`${(this.accepted / this.rounds).toFixed(2)} accepted/round over ${this.rounds} rounds`);
         if (this.drafted) parts.push(`${Math.round((100 * this.accepted) / this.drafted)}% of drafts accepted`);
@@ -293,7 +296,8 @@
     if (!model) return;
     const turn = conversation;
     const system = $("system").value.trim();
-    const messages = [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content: text }];
+    const messages = [...history, { role: "user", content: text }];
+    if (system) messages.unshift({ role: "system", content: system });
     addTurn("user", text);
     const item = addTurn("assistant");
     const reply = new ReplyView(item);
@@ -326,7 +330,9 @@
       controller = null;
       setBusy(false);
     }
-    if (reply.outcome !== "error" && turn === conversation) history.push({ role: "user", content: text }, { role: "assistant", content: reply.content });
+    if (reply.outcome !== "error" && turn === conversation) {
+      history.push({ role: "user", content: text }, { role: "assistant", content: reply.content });
+    }
   }
 
   // ------------------------------------------------------------------ /metrics
@@ -362,7 +368,8 @@
     const width = 280 / rates.length;
     rates.forEach((rate, i) => {
       const h = 90 * rate;
-      const bar = svgElement("rect", { x: 10 + i * width + 1, y: 100 - h, width: Math.max(width - 2, 1), height: h, class: "bar" });
+      const x = 10 + i * width + 1;
+      const bar = svgElement("rect", { x, y: 100 - h, width: Math.max(width - 2, 1), height: h, class: "bar" });
       bar.append(svgElement("title", {}, `position ${i + 1}: ${(100 * rate).toFixed(1)}%`));
       svg.append(bar, svgElement("text", { x: 10 + (i + 0.5) * width, y: 114, "text-anchor": "middle" }, i + 1));
     });
@@ -410,7 +417,8 @@
         const running = metricValue(samples, "specstream_num_requests_running");
         const waiting = metricValue(samples, "specstream_num_requests_waiting");
         const kv = metricValue(samples, "specstream_kv_cache_usage_perc");
-        $("metrics-status").textContent = `running ${running} · waiting ${waiting} · KV cache ${(100 * kv).toFixed(1)}%`;
+        const load = `running ${running} · waiting ${waiting} · KV cache ${(100 * kv).toFixed(1)}%`;
+        $("metrics-status").textContent = load;
       } catch (err) {
         $("metrics-status").textContent = `metrics: ${err.message}`;
       } finally {
