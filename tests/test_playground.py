@@ -190,7 +190,7 @@ def test_reply_streams_in_coloured_by_how_its_tokens_arrived(chrome, default_ser
     # The live charts: acceptance bars per draft position and a tokens/s line from /metrics.
     wait_for(chrome, lambda: chrome.find_elements(By.CSS_SELECTOR, "#chart-acceptance rect.bar"), "acceptance bars")
     wait_for(chrome, lambda: chrome.find_elements(By.CSS_SELECTOR, "#chart-tps polyline"), "the tokens/s line")
-    assert "running 0" in chrome.find_element(By.ID, "metrics-status").text
+    wait_for(chrome, lambda: "running 0" in chrome.find_element(By.ID, "metrics-status").text, "0 running on the page")
     assert severe_console_errors(chrome) == []
 
     shot = tmp_path / "playground.png"

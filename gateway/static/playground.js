@@ -371,7 +371,12 @@
       const x = 10 + i * width + 1;
       const bar = svgElement("rect", { x, y: 100 - h, width: Math.max(width - 2, 1), height: h, class: "bar" });
       bar.append(svgElement("title", {}, `position ${i + 1}: ${(100 * rate).toFixed(1)}%`));
-      svg.append(bar, svgElement("text", { x: 10 + (i + 0.5) * width, y: 114, "text-anchor": "middle" }, i + 1));
+      const middle = 10 + (i + 0.5) * width;
+      svg.append(bar, svgElement("text", { x: middle, y: 114, "text-anchor": "middle" }, i + 1));
+      if (width >= 16) {
+        const y = Math.max(100 - h - 2, 18);
+        svg.append(svgElement("text", { x: middle, y, "text-anchor": "middle" }, `${Math.round(100 * rate)}%`));
+      }
     });
     svg.append(svgElement("line", { x1: 10, y1: 100, x2: 290, y2: 100, class: "axis" }));
     svg.append(svgElement("text", { x: 12, y: 9 }, "100%"));
