@@ -276,6 +276,10 @@ def test_page_works_with_an_api_key_kept_in_session_storage(chrome, keyed_server
     page = httpx.get(f"{keyed_server.url}/")
     assert page.status_code == 200 and KEY not in page.text, "the page is public and holds no secret"
     open_page(chrome, keyed_server, "needs an API key")
+    send(chrome, TINY_PROMPT)  # without the key nothing is sent, and the message stays in the box
+    prompt_box = chrome.find_element(By.ID, "prompt")
+    wait_for(chrome, lambda: prompt_box.get_attribute("value") == TINY_PROMPT, "the message to be kept")
+    assert not chrome.find_elements(By.CSS_SELECTOR, "#transcript .turn")
     chrome.find_element(By.ID, "api-key").send_keys(KEY, Keys.TAB)
     wait_for(chrome, lambda: "model tiny" in chrome.find_element(By.ID, "server-status").text, "the key to be accepted")
     set_field(chrome, "max-tokens", "16")

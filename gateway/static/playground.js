@@ -108,7 +108,7 @@
       const events = buffer.split(/\r?\n\r?\n/);
       buffer = events.pop();
       for (const event of events) {
-        const data = event.split(/\r?\n/).filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart());
+        const data = event.split(/\r?\n/).filter((l) => l.startsWith("data:")).map((l) => l.slice(5).replace(/^ /, ""));
         if (!data.length) continue; // a comment such as the keep-alive ping
         const text = data.join("\n");
         if (text === "[DONE]") return;
@@ -293,7 +293,10 @@
 
   async function send(text) {
     if (!model) await loadModel();
-    if (!model) return;
+    if (!model) {
+      $("prompt").value = text; // keep the message; the status line says what is missing
+      return;
+    }
     const turn = conversation;
     const system = $("system").value.trim();
     const messages = [...history, { role: "user", content: text }];
@@ -319,6 +322,7 @@
         for (const choice of event.choices || []) reply.addChoice(choice);
         follow(item);
       });
+      if (reply.outcome === "streaming") reply.fail("the stream ended before the reply finished");
     } catch (err) {
       if (err.name === "AbortError") {
         reply.outcome = "stopped";
