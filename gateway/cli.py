@@ -36,7 +36,8 @@ def _add_serve(sub) -> None:
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
     a("--log-level", default=_env("log_level", "info"))
-    a("--no-playground", action="store_true", default=_env("no_playground", "") not in ("", "0"), help="do not serve the chat page at /")
+    no_playground = _env("no_playground", "") not in ("", "0")
+    a("--no-playground", action="store_true", default=no_playground, help="do not serve the chat page at /")
     p.set_defaults(func=_serve)
 
 
@@ -65,7 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
             ),
         )
         settings = GatewaySettings(
-            served_model_name=args.served_model_name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+            served_model_name=args.served_model_name,
+            api_keys=tuple(keys),
+            max_body_bytes=args.max_body_bytes,
+            max_n=args.max_n,
             playground=not args.no_playground,
         )
     except ValueError as exc:
