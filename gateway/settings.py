@@ -13,6 +13,7 @@ class GatewaySettings:
     max_n: int = 8
     max_stop: int = 4
     retry_after_seconds: int = 1
+    playground: bool = True  # serve the chat page at / and /playground
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_n < 1 or self.max_stop < 0:

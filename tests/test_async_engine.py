@@ -310,6 +310,17 @@ async def test_abort_ends_the_stream_with_finish_reason_abort(aengine):
     await wait_for(lambda: aengine.engine.num_running == 0)
 
 
+async def test_metrics_show_nothing_running_once_the_last_request_is_aborted(aengine):
+    stream = aengine.stream(PROMPTS[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), request_id="last")
+    await stream.__anext__()
+    registry = aengine.metrics.registry
+    assert registry.get_sample_value("specstream_num_requests_running") == 1
+    await stream.aclose()
+    await wait_for(lambda: aengine.engine.num_running == 0)
+    assert registry.get_sample_value("specstream_num_requests_running") == 0
+    assert registry.get_sample_value("specstream_kv_cache_usage_perc") == 0
+
+
 async def test_a_reused_request_id_never_gets_the_old_streams_chunks(aengine):
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     old = aengine.stream(PROMPTS[0], params, request_id="same")
