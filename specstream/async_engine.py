@@ -115,6 +115,8 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._running = False
+        left = list(self._streams)
+        self._fail_all(EngineDeadError("the engine was stopped"))
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
         # The engine thread is gone: drop queued commands and abort what the streams left
         # behind, so a restarted engine does not keep generating for nobody.
@@ -122,8 +124,6 @@ class AsyncEngine:
             if self._commands.get_nowait()[0] == "add":
                 with self._lock:
                     self._pending_adds -= 1
-        left = list(self._streams)
-        self._fail_all(EngineDeadError("the engine was stopped"))
         for engine_id in left:
             try:
                 self.engine.abort(engine_id)
