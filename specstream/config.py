@@ -48,7 +48,8 @@ class EngineConfig:
     dtype/device: "auto" picks bf16 where the hardware runs it natively (else fp32) and cuda
     when present. KV space is kv_cache_tokens slots per model; when None it is derived from
     kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
-    model's own limit, capped by the pool).
+    model's own limit, capped by the pool). enable_prefix_caching keeps the KV of committed
+    full blocks for reuse by later requests with the same token prefix (prefix_cache.py).
     """
 
     model: str = "smollm2-135m"
@@ -61,6 +62,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int = 512 * 2**20
     kv_block_size: int = 16
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

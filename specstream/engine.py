@@ -128,7 +128,7 @@ class Engine:
                 f"{len(self.tokenizer)} / {self.vocab_size}); speculative decoding needs the same tokenizer"
             )
         pool = KVPool(*model_geometry(draft.config), self.pool.capacity, self.config.kv_block_size, dtype, self.device)
-        return DraftModelProposer(draft, pool)
+        return DraftModelProposer(draft, pool, prefix_caching=self.config.enable_prefix_caching)
 
     def _calibrate(self, runner: ModelRunner) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
@@ -217,7 +217,7 @@ class Engine:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         self.metrics.finished.labels(finished_reason="abort").inc()
-        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", Usage(seq.num_prompt_tokens, seq.num_output_tokens))
+        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", self._usage(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -273,6 +273,11 @@ class Engine:
         self.metrics.num_running.set(len(self.scheduler.running))
         self.metrics.num_waiting.set(len(self.scheduler.waiting))
         self.metrics.kv_usage.set(self.pool.usage)
+        self.metrics.observe_prefix_cache(self.scheduler.prefix_cache)
+
+    @staticmethod
+    def _usage(seq: Sequence) -> Usage:
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0)
 
     def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
         seq.finish_reason = "error"
@@ -280,7 +285,8 @@ class Engine:
         if not seq.is_finished:
             self.scheduler.finish(seq)
         self.metrics.finished.labels(finished_reason="error").inc()
-        return StreamChunk(seq.request_id, "", [], 0, 0, "error", Usage(seq.num_prompt_tokens, seq.num_output_tokens), error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        return StreamChunk(seq.request_id, "", [], 0, 0, "error", self._usage(seq), error=error)
 
     def _commit(self, seq: Sequence, draft: Draft, accepted: int, tokens: list[int], decoding: bool) -> StreamChunk:
         if decoding:
@@ -320,7 +326,7 @@ class Engine:
             num_drafted=len(draft.tokens),
             num_accepted=accepted,
             finish_reason=seq.finish_reason,
-            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens) if finished else None,
+            usage=self._usage(seq) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
         )
 
@@ -338,6 +344,14 @@ class Engine:
         while any(not s.is_finished for s in seqs):
             self.step()
         return [
-            RequestOutput(s.request_id, s.token_ids[: s.num_prompt_tokens], s.detokenizer.text, s.output_ids, s.finish_reason, s.stats)
+            RequestOutput(
+                s.request_id,
+                s.token_ids[: s.num_prompt_tokens],
+                s.detokenizer.text,
+                s.output_ids,
+                s.finish_reason,
+                s.stats,
+                num_cached_tokens=s.prefix.hit_tokens or 0,
+            )
             for s in seqs
         ]

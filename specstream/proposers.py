@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specstream.kv import KVPool
+from specstream.prefix_cache import PrefixCache
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import STREAM_DRAFT, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
@@ -71,13 +72,18 @@ class NgramProposer(Proposer):
 
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's vocabulary, run batched: one packed pass per
-    draft position over all drafting sequences, with its own KV pool and rollback."""
+    draft position over all drafting sequences, with its own KV pool and rollback.
 
-    def __init__(self, model, pool: KVPool, cost=None) -> None:
+    With prefix caching its pool has a prefix cache of its own, keyed by the same block
+    digests as the target's: a sequence's first pass starts past the draft KV cached for its
+    prefix, and the draft publishes only positions fed with tokens the target committed."""
+
+    def __init__(self, model, pool: KVPool, cost=None, prefix_caching: bool = True) -> None:
         self.runner = ModelRunner(model, pool)
         self.pool = pool
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
-        self._state: dict[str, list] = {}  # request_id -> [block_table, num_cached]
+        self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if prefix_caching else None
+        self._state: dict[str, list] = {}  # request_id -> [block_table, num_cached, num_published]
 
     def pass_cost(self, num_seqs: int) -> float:
         return self.cost(num_seqs) if self.cost is not None else 0.0
@@ -88,7 +94,9 @@ class DraftModelProposer(Proposer):
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
-            table, _ = self._state.setdefault(seq.request_id, [[], 0])
+            if seq.request_id not in self._state:
+                self._state[seq.request_id] = self._start(seq)
+            table = self._state[seq.request_id][0]
             # Positions up to len + k - 2 are fed (the last draft is never fed).
             if self.pool.reserve(table, len(seq.token_ids) + k - 1):
                 active.append(i)
@@ -111,6 +119,17 @@ class DraftModelProposer(Proposer):
             if d.probs:
                 d.probs = torch.stack(d.probs)
         return drafts
+
+    def _start(self, seq: Sequence) -> list:
+        table: list[int] = []
+        hit = self.prefix_cache.acquire(table, seq) if self.prefix_cache is not None else 0
+        return [table, hit, len(table)]
+
+    def _publish(self, seq: Sequence, state: list) -> None:
+        # Fed positions up to the first one whose token the target did not accept hold
+        # committed tokens; that is at least min(fed, len - 1) of them.
+        if self.prefix_cache is not None:
+            state[2] = self.prefix_cache.publish(state[0], seq, min(state[1], len(seq.token_ids) - 1), state[2])
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
@@ -139,8 +158,10 @@ class DraftModelProposer(Proposer):
             # what was fed stays valid; that is at most len - 1 positions.
             state[1] = min(state[1], len(seq.token_ids) - 1)
             self.pool.trim(state[0], state[1])
+            self._publish(seq, state)
 
     def release(self, seq):
         state = self._state.pop(seq.request_id, None)
         if state is not None:
+            self._publish(seq, state)
             self.pool.free(state[0])

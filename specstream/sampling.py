@@ -36,6 +36,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +51,8 @@ class SamplingParams:
             raise InvalidRequestError("logprobs must be between 0 and 20", param="logprobs")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise InvalidRequestError("num_speculative_tokens must be >= 0", param="num_speculative_tokens")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
         if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
