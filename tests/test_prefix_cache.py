@@ -107,7 +107,9 @@ def test_random_share_and_release_keep_counts_consistent():
 
 # ------------------------------------------------------------------ engine: outputs
 @pytest.mark.parametrize("method", ["off", "ngram", "draft"])
-def test_greedy_output_identical_with_cache_on_and_off_alone_and_batched(tiny_model_dir, tiny_draft_dir, expected, method):
+def test_greedy_output_identical_with_cache_on_and_off_alone_and_batched(
+    tiny_model_dir, tiny_draft_dir, expected, method
+):
     cached = engine(tiny_model_dir, method=method, draft=tiny_draft_dir if method == "draft" else None)
     alone = [cached.generate(p, GREEDY)[0] for p in PROMPTS]
     assert [o.token_ids for o in alone] == expected
@@ -126,7 +128,9 @@ def test_greedy_output_identical_across_preemption(tiny_model_dir, tiny_draft_di
     prompts = [SHARED[:40] + [i, i + 1] for i in (20, 30, 40, 50)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in uncached.generate(prompts, params)]
-    small = engine(tiny_model_dir, method=method, draft=tiny_draft_dir if method == "draft" else None, kv_cache_tokens=10 * BLOCK)
+    small = engine(
+        tiny_model_dir, method=method, draft=tiny_draft_dir if method == "draft" else None, kv_cache_tokens=10 * BLOCK
+    )
     assert [o.token_ids for o in small.generate(prompts, params)] == want
     assert small.scheduler.num_preemptions > 0
     assert all_blocks_free(small.pool)
@@ -179,8 +183,15 @@ def test_eviction_in_a_tiny_pool_under_pressure(tiny_model_dir, uncached):
 # ------------------------------------------------------------------ engine: what is cached
 def assert_cached_blocks_hold_recomputed_kv(model, pool: KVPool, tokens: list[int], salt=None) -> int:
     """Every cached block of tokens' prefix chain holds the KV a fresh prefill computes."""
-    ref_pool = KVPool(len(pool.keys), pool.keys[0].shape[1], pool.keys[0].shape[2], len(tokens) + BLOCK, BLOCK,
-                      pool.keys[0].dtype, "cpu")
+    ref_pool = KVPool(
+        len(pool.keys),
+        pool.keys[0].shape[1],
+        pool.keys[0].shape[2],
+        len(tokens) + BLOCK,
+        BLOCK,
+        pool.keys[0].dtype,
+        "cpu",
+    )
     table: list[int] = []
     ref_pool.reserve(table, len(tokens))
     ModelRunner(model, ref_pool).forward([ForwardItem(table, 0, tokens, 1)])
@@ -195,8 +206,12 @@ def assert_cached_blocks_hold_recomputed_kv(model, pool: KVPool, tokens: list[in
         for layer in range(len(pool.keys)):
             got = pool.keys[layer][block * BLOCK : (block + 1) * BLOCK]
             torch.testing.assert_close(got, ref_pool.keys[layer][ref], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(pool.values[layer][block * BLOCK : (block + 1) * BLOCK], ref_pool.values[layer][ref],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                pool.values[layer][block * BLOCK : (block + 1) * BLOCK],
+                ref_pool.values[layer][ref],
+                atol=1e-4,
+                rtol=1e-4,
+            )
         checked += 1
     return checked
 
@@ -233,7 +248,9 @@ def test_every_block_returns_after_random_cancellations(tiny_model_dir):
     while cancelled < 200:
         while len(live) < 6:
             prompt = SHARED[: rng.randint(5, 70)] + [rng.randint(5, 300) for _ in range(rng.randint(1, 20))]
-            params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), seed=1, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), seed=1, ignore_eos=True
+            )
             live.append(spec.add_request(prompt, params))
         for chunk in spec.step():
             if chunk.finished:
@@ -273,7 +290,12 @@ def test_gateway_passes_cache_salt_and_accepts_prompt_cache_key():
     from gateway.errors import APIError
     from gateway.protocol import ChatCompletionRequest, parse
 
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-1", "prompt_cache_key": "s1"}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "cache_salt": "tenant-1",
+        "prompt_cache_key": "s1",
+    }
     req = parse(ChatCompletionRequest, body)
     params = req.sampling_params(max_tokens=4, logprobs=None, seed_offset=0, engine_method="ngram")
     assert params.cache_salt == "tenant-1"
