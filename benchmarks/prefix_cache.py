@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specstream import Engine, EngineConfig, SamplingParams
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.prefix_cache import extend_digests
 
 TOPICS = [
@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--speculative-method", default="ngram", choices=["ngram", "off"])
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--shared-max-tokens", type=int, default=16)
@@ -254,8 +255,10 @@ def main() -> None:
     if args.quick:
         args.questions, args.turns, args.unique_requests, args.unique_max_tokens = 8, 4, 8, 32
     torch.set_num_threads(args.threads)
+    spec = SpeculativeConfig(method=args.speculative_method)
     engines = {
-        name: Engine(EngineConfig(args.model, args.dtype, enable_prefix_caching=name == "on")) for name in ("off", "on")
+        name: Engine(EngineConfig(args.model, args.dtype, speculative=spec, enable_prefix_caching=name == "on"))
+        for name in ("off", "on")
     }
     for e in engines.values():  # warm-up, on a prompt no workload shares
         e.generate("Warm-up: hello", SamplingParams(max_tokens=4, temperature=0))
@@ -264,7 +267,7 @@ def main() -> None:
         rows = workload(engines, args)
         print("\n".join(rows), file=sys.stderr, flush=True)  # progress
         lines += rows
-    print(f"\n## Prefix caching off vs on ({args.dtype}, {args.threads} threads, ABBA)\n")
+    print(f"\n## Prefix caching off vs on ({args.dtype}, {args.threads} threads, {args.speculative_method}, ABBA)\n")
     print("| workload | cache off | cache on | on vs off | cached / prompt tokens (on) |")
     print("|---|---:|---:|---:|---:|")
     print("\n".join(lines))
