@@ -47,6 +47,12 @@ def _add_serve(sub) -> None:
     a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", "512")))
     a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
     a("--kv-cache-tokens", type=int, default=int(_env("kv_cache_tokens", "0")) or None)
+    a(
+        "--no-prefix-caching",
+        action="store_true",
+        default=_env("no_prefix_caching", "") in ("1", "true"),
+        help="recompute every prompt instead of reusing the KV of earlier requests' shared prefixes",
+    )
     a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
@@ -71,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             kv_cache_tokens=args.kv_cache_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
             speculative=SpeculativeConfig(
                 method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,

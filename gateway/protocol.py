@@ -73,6 +73,9 @@ class _SamplingFields(_Strict):
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     ignore_eos: bool = False
     speculative: SpeculativeOptions | Literal["off"] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # OpenAI's prompt caching routing hint: a load balancer may route on it (deploy/nginx.conf).
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
     # Known but unsupported: typed loosely so the error can name the feature.
     tools: Any = None
     tool_choice: Any = None
@@ -147,6 +150,7 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             num_speculative_tokens=self.speculation_cap(engine_method),
+            cache_salt=self.cache_salt,
         )
 
 

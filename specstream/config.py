@@ -48,11 +48,13 @@ class EngineConfig:
     dtype/device: "auto" picks bf16 where the hardware runs it natively (else fp32) and cuda
     when present. KV space is kv_cache_tokens slots per model; when None it is derived from
     kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
-    model's own limit, capped by the pool). max_prompt_chars bounds a prompt's characters before
-    it is tokenized (default: max_model_len * 32). allow_special_tokens_in_content lets text in
-    chat message content that spells a special token (say "<|im_start|>") become that token, as
-    plain templating does; by default it stays text, so no message can forge another turn. seed
-    seeds the engine's draws of seeds for requests that bring none.
+    model's own limit, capped by the pool). enable_prefix_caching keeps the KV of committed
+    full blocks for reuse by later requests with the same token prefix (prefix_cache.py).
+    max_prompt_chars bounds a prompt's characters before it is tokenized (default:
+    max_model_len * 32). allow_special_tokens_in_content lets text in chat message content that
+    spells a special token (say "<|im_start|>") become that token, as plain templating does; by
+    default it stays text, so no message can forge another turn. seed seeds the engine's draws
+    of seeds for requests that bring none.
     """
 
     model: str = "smollm2-135m"
@@ -65,6 +67,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int = 512 * 2**20
     kv_block_size: int = 16
+    enable_prefix_caching: bool = True
     seed: int = 0
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False

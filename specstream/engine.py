@@ -55,6 +55,10 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[T
     return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
 
 
+def _usage(seq: Sequence) -> Usage:
+    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0)
+
+
 def _cut(draft: Draft, k: int) -> Draft:
     return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
 
@@ -149,7 +153,12 @@ class Engine:
                 f"{len(self.tokenizer)} / {self.vocab_size}); speculative decoding needs the same tokenizer"
             )
         pool = KVPool(*model_geometry(draft.config), self.pool.capacity, self.config.kv_block_size, dtype, self.device)
-        return DraftModelProposer(draft, pool, max_pass_tokens=self.config.max_num_batched_tokens)
+        return DraftModelProposer(
+            draft,
+            pool,
+            max_pass_tokens=self.config.max_num_batched_tokens,
+            prefix_caching=self.config.enable_prefix_caching,
+        )
 
     def _calibrate(self, runner: ModelRunner) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
@@ -195,8 +204,7 @@ class Engine:
         seq.finish_reason = "abort"
         self._finish(seq)
         self._update_gauges()
-        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
-        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", usage)
+        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", _usage(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -357,7 +365,7 @@ class Engine:
             num_drafted=num_drafted,
             num_accepted=num_accepted,
             finish_reason=seq.finish_reason,
-            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens) if finished else None,
+            usage=_usage(seq) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
             logprobs=token_logprobs(logits, new, top) if top is not None else None,
         )
@@ -369,7 +377,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
         logger.error("request %s failed while generating; the others go on", seq.request_id, exc_info=exc)
-        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        usage = _usage(seq)
         seq.finish_reason = "error"
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
@@ -382,6 +390,7 @@ class Engine:
         self.metrics.num_running.set(len(self.scheduler.running))
         self.metrics.num_waiting.set(len(self.scheduler.waiting))
         self.metrics.kv_usage.set(self.pool.usage)
+        self.metrics.observe_prefix_cache(self.scheduler.prefix_cache)
 
     # ---------------------------------------------------------------------- generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -397,6 +406,14 @@ class Engine:
         while any(not s.is_finished for s in seqs):
             self.step()
         return [
-            RequestOutput(s.request_id, s.token_ids[: s.num_prompt_tokens], s.detokenizer.text, s.output_ids, s.finish_reason, s.stats)
+            RequestOutput(
+                s.request_id,
+                s.token_ids[: s.num_prompt_tokens],
+                s.detokenizer.text,
+                s.output_ids,
+                s.finish_reason,
+                s.stats,
+                num_cached_tokens=s.prefix.hit_tokens or 0,
+            )
             for s in seqs
         ]

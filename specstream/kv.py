@@ -3,14 +3,16 @@
 One key and one value tensor per layer, [num_slots, kv_heads, head_dim], allocated once.
 Slots are handed out in blocks; a sequence owns a block table and a length. Its cache for
 position p lives in slot table[p // block_size] * block_size + p % block_size, so dropping
-rejected drafts is moving the length back, and nothing is ever copied.
+rejected drafts is moving the length back, and nothing is ever copied. Blocks are reference
+counted (prefix_cache.BlockAllocator): several sequences may share the cached blocks of a
+common prefix, and a freed block keeps its content until a new allocation needs it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
+
+from specstream.prefix_cache import BlockAllocator
 
 
 class KVPool:
@@ -32,7 +34,7 @@ class KVPool:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self.blocks = BlockAllocator(self.num_blocks)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -44,11 +46,11 @@ class KVPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.blocks.num_free
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.blocks.num_free / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -56,21 +58,24 @@ class KVPool:
     def reserve(self, table: list[int], num_tokens: int) -> bool:
         """Grow table to hold num_tokens; all or nothing."""
         need = self.blocks_for(num_tokens) - len(table)
-        if need > len(self._free):
+        if need > self.blocks.num_free:
             return False
         for _ in range(need):
-            table.append(self._free.popleft())
+            table.append(self.blocks.allocate())
         return True
 
     def trim(self, table: list[int], num_tokens: int) -> None:
-        """Give back the blocks past num_tokens (rejected drafts' space)."""
+        """Give back the blocks past num_tokens (rejected drafts' space: never a cached block,
+        since cached blocks lie wholly below the committed length)."""
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self._free.appendleft(table.pop())
+            self.blocks.release(table.pop())
 
     def free(self, table: list[int]) -> None:
-        self._free.extend(table)
-        table.clear()
+        # Tail first: a prefix's last blocks are the least likely to be shared, so they are
+        # the first evicted.
+        while table:
+            self.blocks.release(table.pop())
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of positions [start, end) of the sequence owning table."""

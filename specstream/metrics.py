@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specstream.prefix_cache import PrefixCache, PrefixCacheStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -37,6 +39,22 @@ class EngineMetrics:
         self.kv_usage = Gauge("specstream_kv_cache_usage_perc", "Fraction of KV pool blocks in use (0..1).", registry=r)
         self.preemptions = Counter("specstream_num_preemptions", "Sequences preempted for KV space (recomputed later).", registry=r)
         self.finished = Counter("specstream_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "specstream_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions).", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "specstream_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.", registry=r
+        )
+        self._prefix_seen = PrefixCacheStats()
+
+    def observe_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Advance the prefix-cache counters to the cache's running totals."""
+        if cache is None:
+            return
+        stats, seen = cache.stats, self._prefix_seen
+        self.prefix_cache_queries.inc(stats.queries - seen.queries)
+        self.prefix_cache_hits.inc(stats.hits - seen.hits)
+        self._prefix_seen = PrefixCacheStats(stats.queries, stats.hits)
 
     def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int) -> None:
         self.generation_tokens.inc(num_tokens)

@@ -58,7 +58,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     stats: SpecStats
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_token_ids), len(self.token_ids))
+        return Usage(len(self.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)

@@ -8,12 +8,13 @@ head, say) implements the same four members; verification does not change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from specstream.kv import KVPool
+from specstream.prefix_cache import PrefixCache
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import STREAM_DRAFT, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
@@ -73,6 +74,15 @@ class NgramProposer(Proposer):
         return []
 
 
+@dataclass
+class _DraftKV:
+    """One sequence's KV in the draft pool."""
+
+    table: list[int] = field(default_factory=list)  # its block table
+    fed: int = 0  # positions fed (their KV is in the pool)
+    published: int = 0  # leading blocks of table already in the draft's prefix cache
+
+
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's vocabulary, run batched: one packed pass per
     draft position over all drafting sequences, with its own KV pool and rollback.
@@ -80,14 +90,19 @@ class DraftModelProposer(Proposer):
     Its cache follows the target's: prompts are fed in the target's prefill chunks, and a
     sequence that did not draft for a while (k = 0 rounds feed nothing) catches up by at most
     max_pass_tokens per step, drafting only once it is level, so no pass is longer than a
-    target step may be."""
+    target step may be.
 
-    def __init__(self, model, pool: KVPool, max_pass_tokens: int, cost=None) -> None:
+    With prefix caching its pool has a prefix cache of its own, keyed by the same block
+    digests as the target's: a sequence starts past the draft KV cached for its prefix, and
+    the draft publishes only positions fed with tokens the target committed."""
+
+    def __init__(self, model, pool: KVPool, max_pass_tokens: int, cost=None, prefix_caching: bool = True) -> None:
         self.runner = ModelRunner(model, pool)
         self.pool = pool
         self.max_pass_tokens = max_pass_tokens
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
-        self._state: dict[str, list] = {}  # request_id -> [block_table, num_fed]
+        self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if prefix_caching else None
+        self._state: dict[str, _DraftKV] = {}  # by request_id
 
     def pass_cost(self, num_seqs: int) -> float:
         return self.cost(num_seqs) if self.cost is not None else 0.0
@@ -95,12 +110,13 @@ class DraftModelProposer(Proposer):
     def prefill(self, chunks):
         items = []
         for seq, n in chunks:
-            state = self._state.setdefault(seq.request_id, [[], 0])
-            table, fed = state
-            # Only a cache level with the target's follows it; any other catches up in propose().
-            if fed == seq.num_cached and self.pool.reserve(table, fed + n):
-                items.append(ForwardItem(table, fed, seq.token_ids[fed : fed + n], 0))
-                state[1] = fed + n
+            kv = self._kv(seq)
+            end = seq.num_cached + n
+            # A cache level with the target's (or ahead of it, when the draft pool held more of
+            # the prefix) follows its chunks; one behind catches up in propose().
+            if seq.num_cached <= kv.fed < end and self.pool.reserve(kv.table, end):
+                items.append(ForwardItem(kv.table, kv.fed, seq.token_ids[kv.fed : end], 0))
+                kv.fed = end
         if items:
             self.runner.forward(items)
 
@@ -111,9 +127,9 @@ class DraftModelProposer(Proposer):
         step = 0
         while active or items:
             for i, new in active.items():
-                state = self._state[seqs[i].request_id]
-                items.append(ForwardItem(state[0], state[1], new, 1))
-                state[1] += len(new)
+                kv = self._state[seqs[i].request_id]
+                items.append(ForwardItem(kv.table, kv.fed, new, 1))
+                kv.fed += len(new)
             logits = self.runner.forward(items)
             rows = list(active)
             self._choose(logits, [seqs[i] for i in rows], [drafts[i] for i in rows], [probs[i] for i in rows], step)
@@ -136,19 +152,35 @@ class DraftModelProposer(Proposer):
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0 or room <= 0:
                 continue
-            state = self._state.setdefault(seq.request_id, [[], 0])
-            table, fed = state
+            kv = self._kv(seq)
             # Positions up to len + k - 2 are fed (the last draft is never fed).
-            if not self.pool.reserve(table, len(seq.token_ids) + k - 1):
+            if not self.pool.reserve(kv.table, len(seq.token_ids) + k - 1):
                 continue
-            new = seq.token_ids[fed:]
+            new = seq.token_ids[kv.fed :]
             if len(new) <= room:
                 active[i] = new
             else:
-                catch_up.append(ForwardItem(table, fed, new[:room], 0))
-                state[1] = fed + room
+                catch_up.append(ForwardItem(kv.table, kv.fed, new[:room], 0))
+                kv.fed += room
             room -= len(new)
         return active, catch_up
+
+    def _kv(self, seq: Sequence) -> _DraftKV:
+        """seq's draft KV; a new one starts past the longest run of its blocks cached in the pool."""
+        kv = self._state.get(seq.request_id)
+        if kv is None:
+            kv = self._state[seq.request_id] = _DraftKV()
+            if self.prefix_cache is not None:
+                kv.fed = self.prefix_cache.acquire(kv.table, seq)
+                kv.published = len(kv.table)
+        return kv
+
+    def _publish(self, seq: Sequence, kv: _DraftKV) -> None:
+        # Fed positions below the first one whose token the target did not accept hold
+        # committed tokens: at least min(fed, len - 1) of them (see on_commit).
+        if self.prefix_cache is not None:
+            committed = min(kv.fed, len(seq.token_ids) - 1)
+            kv.published = self.prefix_cache.publish(kv.table, seq, committed, kv.published)
 
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list], step: int
@@ -173,14 +205,16 @@ class DraftModelProposer(Proposer):
             probs[j].append(q[row])
 
     def on_commit(self, seq):
-        state = self._state.get(seq.request_id)
-        if state is not None:
+        kv = self._state.get(seq.request_id)
+        if kv is not None:
             # Everything fed before the first position where the accepted tokens differ from
             # what was fed stays valid; that is at most len - 1 positions.
-            state[1] = min(state[1], len(seq.token_ids) - 1)
-            self.pool.trim(state[0], state[1])
+            kv.fed = min(kv.fed, len(seq.token_ids) - 1)
+            self.pool.trim(kv.table, kv.fed)
+            self._publish(seq, kv)
 
     def release(self, seq):
-        state = self._state.pop(seq.request_id, None)
-        if state is not None:
-            self.pool.free(state[0])
+        kv = self._state.pop(seq.request_id, None)
+        if kv is not None:
+            self._publish(seq, kv)
+            self.pool.free(kv.table)

@@ -25,6 +25,7 @@ MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stop string's length is held back from the stream
 MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT_CHARS = 256  # the salt is hashed into every prefix-cache digest chain's root
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -69,6 +71,8 @@ class SamplingParams:
             _integer(self.logprobs, "logprobs", low=0, high=MAX_LOGPROBS)
         if self.num_speculative_tokens is not None:
             _integer(self.num_speculative_tokens, "num_speculative_tokens", low=0, high=MAX_SPECULATIVE_TOKENS)
+        if self.cache_salt is not None:
+            _cache_salt(self.cache_salt)
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +128,12 @@ def _stop_token_ids(ids) -> list[int]:
     if any(t < 0 for t in ids):
         raise InvalidRequestError("stop_token_ids must be >= 0", param="stop_token_ids")
     return list(ids)
+
+
+def _cache_salt(salt) -> None:
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        message = f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+        raise InvalidRequestError(message, param="cache_salt")
 
 
 def _splitmix64(x: int) -> int:

@@ -8,6 +8,10 @@ Every step, in order:
    fed in pieces and never stalls running streams for more than one step;
 3. the k policy spreads what is left of the budget as drafts over the decoders; each
    sequence's k slots are reserved in the pool, or its k shrinks.
+
+With prefix caching, a step first publishes the full blocks each running sequence committed
+in the last round (and a sequence publishes its blocks when freed), and a sequence being
+admitted starts from the longest cached run of its blocks, so its prefill begins past them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from specstream.adaptive_k import KPolicy
 from specstream.config import EngineConfig
 from specstream.kv import KVPool
+from specstream.prefix_cache import PrefixCache
 from specstream.sequence import Sequence, SequenceStatus
 
 
@@ -41,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if config.enable_prefix_caching else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -50,9 +56,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def free(self, seq: Sequence) -> None:
+        self._publish(seq)
         self.pool.free(seq.block_table)
         seq.num_cached = 0
+        seq.prefix.num_published = 0
         self.on_release(seq)
+
+    def _publish(self, seq: Sequence) -> None:
+        """Make seq's committed full blocks findable (every position below num_cached holds the
+        KV of a token the target accepted: drafts are only counted in once accepted)."""
+        if self.prefix_cache is not None:
+            state = seq.prefix
+            state.num_published = self.prefix_cache.publish(seq.block_table, seq, seq.num_cached, state.num_published)
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        if self.prefix_cache is None:
+            return 0
+        seq.num_cached = self.prefix_cache.acquire(seq.block_table, seq)
+        seq.prefix.num_published = len(seq.block_table)
+        return seq.num_cached
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -73,6 +95,8 @@ class Scheduler:
         return victim
 
     def schedule(self) -> StepPlan:
+        for seq in self.running:
+            self._publish(seq)
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         # Oldest first, so a sequence preempted for space is always one not yet planned.
@@ -113,9 +137,14 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            hit = self._take_cached_prefix(seq)
             chunk = self._reserve_chunk(seq, budget, watermark)
             if not chunk:
+                self.pool.free(seq.block_table)
+                seq.num_cached = seq.prefix.num_published = 0
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.record_admission(seq, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

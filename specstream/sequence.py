@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specstream.detok import IncrementalDetokenizer
+from specstream.prefix_cache import PrefixState
 from specstream.sampling import SamplingParams, reduce_seed
 
 
@@ -68,6 +69,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0  # positions whose KV is in the target pool
+        self.prefix = PrefixState()  # block digests and cache hits (prefix_cache.py)
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens

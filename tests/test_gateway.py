@@ -87,7 +87,8 @@ def test_chat_completion_non_streaming(client, in_process_text):
     assert r.object == "chat.completion" and r.model == MODEL
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
-    assert r.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache yet
+    cached = r.usage.prompt_tokens_details.cached_tokens  # whole KV blocks of the prompt found cached
+    assert cached % 16 == 0 and 0 <= cached < r.usage.prompt_tokens
     # The content is exactly what the engine generates for the same request in-process.
     assert r.choices[0].message.content == in_process_text
 
@@ -108,7 +109,7 @@ def test_streaming_with_usage_has_one_id_role_first_and_usage_last(client):
     assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens < chunks[-1].usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-2].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -128,6 +129,23 @@ async def test_async_client_streams(aclient):
     pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     r = await aclient.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert "".join(pieces) == r.choices[0].message.content
+
+
+def test_usage_counts_prompt_tokens_found_in_the_prefix_cache_of_the_same_salt(client):
+    document = "Answer from this document. " + "The quick brown fox jumps over the lazy dog. " * 8
+    messages = [{"role": "system", "content": document}, *CHAT]
+
+    def ask(salt: str, **kw):
+        body = {"cache_salt": salt}
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=body, **kw)
+
+    first = ask("tenant-a").usage
+    again = list(ask("tenant-a", stream=True, stream_options={"include_usage": True}))[-1].usage
+    other = ask("tenant-b").usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # Every full 16-token block of the prompt but one that holds its last token.
+    assert again.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // 16 * 16 > 0
+    assert other.prompt_tokens_details.cached_tokens == 0
 
 
 def test_stop_ends_with_stop_and_excludes_it(client):
@@ -302,6 +320,7 @@ def test_malformed_bodies_are_400(server, body, fragment):
         ({"frobnicate": 1}, "frobnicate"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"speculative": {"method": "draft"}}, "speculative.method"),
+        ({"cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_invalid_requests_are_400_and_never_reach_the_engine(server, extra, param):

@@ -1,6 +1,8 @@
 """The docker-compose topology without Docker: two `specstream serve` replicas behind nginx
-(least_conn, unbuffered SSE) on loopback. Streams spread over both replicas, and when one
-replica stops, new requests keep succeeding through the other."""
+on loopback, routed as deploy/nginx.conf routes (a session key picks a replica by consistent
+hashing, keyless requests go to the least busy one; unbuffered SSE). Streams spread over both
+replicas, a conversation's turns find their prefix cached, and when one replica stops, new
+requests keep succeeding through the other."""
 
 from __future__ import annotations
 
@@ -31,16 +33,39 @@ http {{
     fastcgi_temp_path {dir}/fastcgi;
     uwsgi_temp_path {dir}/uwsgi;
     scgi_temp_path {dir}/scgi;
-    upstream specstream {{
+    map $request_body $body_session_key {{
+        default "";
+        '~"prompt_cache_key"\\s*:\\s*"(?<body_pck>[^"]+)"' $body_pck;
+        '~"user"\\s*:\\s*"(?<body_user>[^"]+)"' $body_user;
+    }}
+    map $http_x_session_id $session_key {{
+        ""      $body_session_key;
+        default $http_x_session_id;
+    }}
+    map $session_key $specstream_upstream {{
+        ""      specstream_least_conn;
+        default specstream_affinity;
+    }}
+    upstream specstream_least_conn {{
         least_conn;
+        server 127.0.0.1:{p1} max_fails=1 fail_timeout=30s;
+        server 127.0.0.1:{p2} max_fails=1 fail_timeout=30s;
+        keepalive 16;
+    }}
+    upstream specstream_affinity {{
+        hash $session_key consistent;
         server 127.0.0.1:{p1} max_fails=1 fail_timeout=30s;
         server 127.0.0.1:{p2} max_fails=1 fail_timeout=30s;
         keepalive 16;
     }}
     server {{
         listen 127.0.0.1:{port};
+        client_max_body_size 8m;
+        client_body_buffer_size 8m;
         location / {{
-            proxy_pass http://specstream;
+            mirror /_read_body;
+            mirror_request_body on;
+            proxy_pass http://$specstream_upstream;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
@@ -48,6 +73,7 @@ http {{
             proxy_next_upstream error timeout http_502 http_503;
             proxy_next_upstream_tries 2;
         }}
+        location = /_read_body {{ internal; return 204; }}
     }}
 }}
 """
@@ -66,9 +92,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None
     raise AssertionError(f"{url} did not become healthy")
 
 
-def finished_requests(url: str) -> float:
+def metric(url: str, prefix: str) -> float:
+    """The sum of a metric's samples on one replica (prefix: the sample name up to its labels)."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specstream_request_success_total{"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def finished_requests(url: str) -> float:
+    return metric(url, "specstream_request_success_total{")
 
 
 @pytest.fixture
@@ -136,3 +167,54 @@ def test_streams_spread_over_replicas_and_survive_one_stopping(topology):
     procs[0].wait(15)
     asyncio.run(burst(6))
     assert finished_requests(urls[1]) == served[1] + 6
+
+
+def conversation(c: int, turns: int) -> list[list[dict]]:
+    """The message lists of a conversation's turns. Its history is written by the client, the
+    way a chat app resends it: the tiny random model's replies would not survive
+    detokenizing and re-tokenizing, and what is measured here is routing, not the model."""
+    document = " ".join(f"Fact {c}.{i}: the quick brown fox {i * 7 % 13} jumps over the lazy dog {c}." for i in range(20))
+    messages = [{"role": "system", "content": f"Conversation {c}. Answer from this document.\n{document}"}]
+    history = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Question {t}: fox {t}?"})
+        history.append(list(messages))
+        messages.append({"role": "assistant", "content": f"Answer {t}: dog {c}."})
+    return history
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, c: int, messages: list[dict]) -> None:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    # Half the conversations name their session in a header, half in the body's `user`.
+    headers = {"X-Session-Id": f"conversation-{c}"} if c % 2 else {}
+    if not c % 2:
+        body["user"] = f"user-{c}"
+    r = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+
+
+def test_conversations_stick_to_the_replica_holding_their_prefix(topology):
+    lb, urls, procs = topology
+    turns = [conversation(c, 4) for c in range(8)]
+
+    async def turn(t: int, alive: list[int]) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(chat_turn(client, lb, c, turns[c][t]) for c in alive))
+
+    def totals() -> tuple[float, float]:
+        return (sum(metric(u, "specstream_prefix_cache_queries_total") for u in urls),
+                sum(metric(u, "specstream_prefix_cache_hits_total") for u in urls))
+
+    asyncio.run(turn(0, list(range(8))))
+    assert all(finished_requests(u) > 0 for u in urls)  # the sessions spread over both replicas
+    queried, hit = totals()
+    for t in range(1, 4):
+        asyncio.run(turn(t, list(range(8))))
+    more_queried, more_hit = totals()
+    assert (more_hit - hit) / (more_queried - queried) >= 0.9
+
+    served = finished_requests(urls[1])
+    procs[0].terminate()
+    procs[0].wait(15)
+    asyncio.run(turn(3, list(range(8))))  # some sessions hash to the stopped replica: none fails
+    assert finished_requests(urls[1]) == served + 8

@@ -1,0 +1,161 @@
+"""Automatic prefix caching: KV blocks of committed tokens, found again by content.
+
+Vocabulary:
+- a *full block* holds block_size consecutive positions of one sequence;
+- its *digest* is sha256(parent digest | its token ids | ...): chained, so equal digests mean
+  equal token prefixes up to the block's end. The chain's root mixes in the request's
+  cache_salt, so tenants with different salts never share a block;
+- a block is *committed* when every position in it holds the KV of a token the target has
+  accepted (never a draft awaiting verification, never a partly filled block).
+
+BlockAllocator hands out block ids with reference counts. A block whose count drops to zero
+keeps its KV and digest on an LRU list until a fresh allocation needs it, so a later request
+with the same prefix finds it. PrefixCache ties a sequence to the allocator: on admission it
+takes the longest run of cached blocks matching the sequence's tokens (always leaving at
+least one token to compute, whose logits the step needs); after each round it publishes the
+sequence's newly committed full blocks. Every writer starts past the blocks it shares (the
+shared ones are full and lie below its first uncomputed position), so no block is ever
+written while cached and nothing needs copy-on-write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specstream.sequence import Sequence
+
+
+def root_digest(salt: str | None) -> bytes:
+    """The parent of a sequence's first block."""
+    return hashlib.sha256(b"specstream-prefix-v1\0" + (salt or "").encode()).digest()
+
+
+def extend_digests(digests: list[bytes], tokens: list[int], block_size: int, salt: str | None, num_blocks: int) -> None:
+    """Append the chained digests of blocks len(digests) .. num_blocks-1 of tokens."""
+    parent = digests[-1] if digests else root_digest(salt)
+    for i in range(len(digests), num_blocks):
+        block = array("i", tokens[i * block_size : (i + 1) * block_size])
+        parent = hashlib.sha256(parent + block.tobytes()).digest()
+        digests.append(parent)
+
+
+class BlockAllocator:
+    """Block ids with reference counts; free blocks that hold a cached digest are evicted
+    least recently used first, and only when no never-cached free block is left."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.digest_of: list[bytes | None] = [None] * num_blocks
+        self._by_digest: dict[bytes, int] = {}
+        self._plain: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._plain) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_digest)
+
+    def allocate(self) -> int:
+        if self._plain:
+            block = self._plain.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_digest[self.digest_of[block]]
+            self.digest_of[block] = None
+        self.refs[block] = 1
+        return block
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._by_digest.get(digest)
+
+    def share(self, block: int) -> None:
+        """Take one more reference on a cached block (possibly a free one)."""
+        if self.refs[block] == 0:
+            del self._evictable[block]
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.refs[block] <= 0:
+            raise RuntimeError(f"KV block {block} released more often than it was taken")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if self.digest_of[block] is None:
+                self._plain.append(block)
+            else:
+                self._evictable[block] = None
+
+    def publish(self, block: int, digest: bytes) -> None:
+        """Make a held, fully written block findable by digest. A block already cached, or a
+        digest another block already serves (two requests computed the same prefix at once),
+        is left as it is."""
+        if self.digest_of[block] is None and digest not in self._by_digest:
+            self.digest_of[block] = digest
+            self._by_digest[digest] = block
+
+
+@dataclass
+class PrefixState:
+    """A sequence's prefix-cache bookkeeping."""
+
+    digests: list[bytes] = field(default_factory=list)  # chained digests of its full token blocks
+    num_published: int = 0  # leading blocks of its target block table already published
+    hit_tokens: int | None = None  # prompt tokens found cached at its first admission
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at first admission
+    hits: int = 0  # of those, tokens whose KV was found cached
+
+
+class PrefixCache:
+    """The prefix cache of one KV pool (the target's, or a draft model's). Digests depend only
+    on tokens and salt, so both pools use the one list a sequence carries."""
+
+    def __init__(self, blocks: BlockAllocator, block_size: int) -> None:
+        self.blocks = blocks
+        self.block_size = block_size
+        self.stats = PrefixCacheStats()
+
+    def _digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        digests = seq.prefix.digests
+        extend_digests(digests, seq.token_ids, self.block_size, seq.params.cache_salt, num_blocks)
+        return digests
+
+    def acquire(self, table: list[int], seq: Sequence) -> int:
+        """Seed an empty block table with the longest cached run of seq's full blocks, leaving
+        at least its last token uncomputed. Returns the number of positions found cached."""
+        if table:
+            raise ValueError("only an empty block table takes cached blocks")
+        for digest in self._digests(seq, (len(seq.token_ids) - 1) // self.block_size):
+            block = self.blocks.lookup(digest)
+            if block is None:
+                break
+            self.blocks.share(block)
+            table.append(block)
+        return len(table) * self.block_size
+
+    def publish(self, table: list[int], seq: Sequence, num_committed: int, start: int) -> int:
+        """Publish blocks start.. of table that lie wholly below num_committed positions, whose
+        KV holds seq.token_ids[:num_committed]. Returns how many leading blocks are published."""
+        end = min(num_committed, len(seq.token_ids)) // self.block_size
+        digests = self._digests(seq, end)
+        for i in range(start, end):
+            self.blocks.publish(table[i], digests[i])
+        return max(start, end)
+
+    def record_admission(self, seq: Sequence, hit: int) -> None:
+        """Count seq's first admission; a re-admission after preemption is no new query."""
+        if seq.prefix.hit_tokens is None:
+            seq.prefix.hit_tokens = hit
+            self.stats.queries += seq.num_prompt_tokens
+            self.stats.hits += hit
