@@ -184,6 +184,9 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self._pending_adds + self.engine.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
+        if params is not None and params.structured is not None:
+            # [structured] compile off the engine thread (cached; the worker takes a copy); a bad grammar raises here
+            await asyncio.to_thread(self.engine.structured.compiler.compile, params.structured)
         engine_id = f"{request_id}#{next(self._ids)}"
         state = _Stream(asyncio.Queue())
         self._streams[engine_id] = state
@@ -221,7 +224,7 @@ class AsyncEngine:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             prompt_ids = chunk.prompt_token_ids or prompt_ids
-            stats.record(chunk.num_drafted, chunk.num_accepted)
+            stats.record(chunk.num_drafted, chunk.num_accepted, chunk.num_forced)
             last = chunk
         return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
 

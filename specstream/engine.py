@@ -28,6 +28,7 @@ from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
 from specstream.scheduler import Scheduler
 from specstream.sequence import Sequence
+from specstream.structured import StructuredDecoding, proposer_share
 from specstream.verify import verify_round
 
 _CALIBRATION_CONTEXT = 64
@@ -73,6 +74,10 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
         self.runner = ModelRunner(self.model, self.pool)
         self.proposer = self._make_proposer()
+        # [structured] grammars, forced drafts, masks; the draft model's logits are masked too
+        self.structured = StructuredDecoding(self.tokenizer, self.vocab_size, self.eos_token_ids, forced_drafts=spec.forced_drafts)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.constrain = self.structured.mask_draft_logits
         target_cost = None
         if spec.enabled and spec.adaptive:
             target_cost = self._calibrate(self.runner)
@@ -194,6 +199,7 @@ class Engine:
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, arrival=-1)
         seq.max_tokens = params.max_tokens or self.max_model_len - len(ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        seq.constraint = self.structured.constraint_for(params)  # [structured] compiled (or cached) grammar, logit bias
         return seq
 
     def submit(self, seq: Sequence) -> str:
@@ -244,6 +250,8 @@ class Engine:
             drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k]) for d, k in zip(drafts, plan.ks)]
         else:
             drafts = [Draft([]) for _ in plan.decodes]
+        # [structured] grammar-forced tokens lead constrained drafts; drafts cut to what the grammar accepts
+        drafts = self.structured.drafts(plan.decodes, plan.ks, drafts, self._ngram_lookup(), self._reserve_drafts, self._spare_tokens(plan))
         items = [ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens)) for s, d in zip(plan.decodes, drafts)]
         completing = []
         for seq, n in plan.prefills:
@@ -258,7 +266,8 @@ class Engine:
         rounds = [(s, d, r) for s, d, r in zip(plan.decodes, drafts, rows)]
         rounds += [(s, Draft([]), r) for s, r in zip(completing, rows[len(drafts) :])]
         outputs = []
-        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verify_round(rounds)):
+        masked = self.structured.mask_rounds(rounds)  # [structured] grammar masks + logit bias on every verified row
+        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verify_round(masked)):
             try:
                 chunk = self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes)
                 if seq.params.logprobs is not None:
@@ -268,6 +277,17 @@ class Engine:
                 outputs.append(self._fail(seq, exc))
         self._update_gauges()
         return outputs
+
+    # [structured] what forced drafts need from the engine
+    def _ngram_lookup(self):
+        return self.proposer.lookup if isinstance(self.proposer, NgramProposer) else None
+
+    def _reserve_drafts(self, seq: Sequence, n: int) -> bool:
+        return self.pool.reserve(seq.block_table, len(seq.token_ids) + n)
+
+    def _spare_tokens(self, plan) -> int:
+        used = sum(1 + k for k in plan.ks) + sum(n for _, n in plan.prefills)
+        return max(self.config.max_num_batched_tokens - used, 0)
 
     def _update_gauges(self) -> None:
         self.metrics.num_running.set(len(self.scheduler.running))
@@ -289,6 +309,7 @@ class Engine:
             seq.num_cached += 1 + accepted
         params = seq.params
         new: list[int] = []
+        tokens = self.structured.commit(seq, tokens)  # [structured] a refused token fails this request alone
         for tok in tokens:
             seq.token_ids.append(tok)
             new.append(tok)
@@ -300,10 +321,11 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        seq.stats.record(len(draft.tokens), accepted)
+        self.structured.finish_if_complete(seq)  # [structured] "stop" once the grammar is complete
+        seq.stats.record(len(draft.tokens), accepted, draft.num_forced)
         if decoding:
-            record_round(seq, len(draft.tokens), accepted)
-        self.metrics.record_round(len(draft.tokens), accepted, len(new))
+            record_round(seq, *proposer_share(len(draft.tokens), accepted, draft.num_forced))  # [structured]
+        self.metrics.record_round(len(draft.tokens), accepted, len(new), draft.num_forced)
         finished = seq.finish_reason is not None
         text = seq.detokenizer.take(final=finished)
         if finished:
@@ -319,6 +341,7 @@ class Engine:
             token_ids=new,
             num_drafted=len(draft.tokens),
             num_accepted=accepted,
+            num_forced=draft.num_forced,
             finish_reason=seq.finish_reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,

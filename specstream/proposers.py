@@ -23,6 +23,7 @@ from specstream.sequence import Sequence
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
+    num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
 
 
 class Proposer:
@@ -78,6 +79,8 @@ class DraftModelProposer(Proposer):
         self.pool = pool
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
         self._state: dict[str, list] = {}  # request_id -> [block_table, num_cached]
+        # [structured] (logits, seqs, drafted tokens) -> logits masked by each sequence's grammar
+        self.constrain = None
 
     def pass_cost(self, num_seqs: int) -> float:
         return self.cost(num_seqs) if self.cost is not None else 0.0
@@ -104,6 +107,8 @@ class DraftModelProposer(Proposer):
                 items.append(ForwardItem(state[0], state[1], new, 1))
                 state[1] += len(new)
             logits = self.runner.forward(items)
+            if self.constrain is not None:  # [structured]
+                logits = self.constrain(logits, [seqs[i] for i in active], [drafts[i].tokens for i in active])
             self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
             step += 1
             active = [i for i in active if ks[i] > step]

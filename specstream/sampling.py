@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specstream.errors import InvalidRequestError
+from specstream.structured import StructuredOutput, check_logit_bias
 
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
@@ -36,6 +37,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
+    structured: StructuredOutput | None = None  # [structured] the grammar the output must match
+    logit_bias: dict[int, float] | None = None  # [structured] added to the logits of these token ids
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,9 @@ class SamplingParams:
             raise InvalidRequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):  # [structured]
+            raise InvalidRequestError("structured must be a StructuredOutput", param="structured")
+        self.logit_bias = check_logit_bias(self.logit_bias)  # [structured]
 
     @property
     def greedy(self) -> bool:
