@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import tools as tool_format
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.settings import GatewaySettings
@@ -239,6 +240,8 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         pending["drafted"] = pending.get("drafted", 0) + chunk.num_drafted
         pending["accepted"] = pending.get("accepted", 0) + chunk.num_accepted
         pending["tokens"] = pending.get("tokens", 0) + len(chunk.token_ids)
+        if chunk.num_forced:  # [structured] drafts a grammar forced (counted in drafted too)
+            pending["forced"] = pending.get("forced", 0) + chunk.num_forced
         return pending
 
     # -------------------------------------------------------------------- endpoints
@@ -265,7 +268,7 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(
-                chat_events(choices, request_id, created, model, include_usage, req.logprobs, tokenizer),
+                chat_events(choices, request_id, created, model, include_usage, req.logprobs, tokenizer, req.tool_mode),
                 ping=15,
                 send_timeout=30,
             )
@@ -292,9 +295,9 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
+                    "message": (message := tool_format.assistant_message("".join(texts[i]), req.tool_mode)),  # [structured]
                     "logprobs": {"content": lps[i], "refusal": None} if req.logprobs else None,
-                    "finish_reason": finish[i],
+                    "finish_reason": tool_format.finish_reason(finish[i], "tool_calls" in message),
                 }
                 for i in range(len(choices))
             ],
@@ -302,7 +305,7 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
         }
         return JSONResponse(body)
 
-    async def chat_events(choices, request_id, created, model, include_usage, want_logprobs, tokenizer):
+    async def chat_events(choices, request_id, created, model, include_usage, want_logprobs, tokenizer, tool_mode=None):
         try:
             base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -314,6 +317,7 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
 
             prompt_tokens = completion_tokens = 0
             stats = {c.index: {} for c in choices}
+            parsers = {c.index: tool_format.parser_for(tool_mode) for c in choices}  # [structured] tool-call deltas
             for c in choices:
                 yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
             async with contextlib.aclosing(merged(choices)) as chunks:
@@ -323,13 +327,20 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
                         yield {"data": json.dumps(err.body())}
                         return
                     add_stats(stats[index], item)
-                    if item.text or item.logprobs:
+                    parser = parsers[index]
+                    if parser is None:
+                        deltas = [{"content": item.text}] if item.text or item.logprobs else []
+                    else:  # [structured] content or tool-call deltas
+                        deltas = parser.feed(item.text) + (parser.finish() if item.finished else [])
+                        if not deltas and item.logprobs:
+                            deltas = [{"content": ""}]
+                    for n, delta in enumerate(deltas):
                         yield event(
                             [
                                 {
                                     "index": index,
-                                    "delta": {"content": item.text},
-                                    "logprobs": {"content": chat_logprobs(item, tokenizer), "refusal": None} if want_logprobs else None,
+                                    "delta": delta,
+                                    "logprobs": {"content": chat_logprobs(item, tokenizer), "refusal": None} if want_logprobs and not n else None,
                                     "finish_reason": None,
                                     "speculative": stats[index],
                                 }
@@ -339,7 +350,8 @@ def create_app(engine: AsyncEngine, settings: GatewaySettings | None = None) -> 
                     if item.finished:
                         prompt_tokens = item.usage.prompt_tokens
                         completion_tokens += item.usage.completion_tokens
-                        final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}
+                        reason = tool_format.finish_reason(item.finish_reason, parser is not None and bool(parser.calls))
+                        final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
                         if stats[index]:
                             final["speculative"] = stats[index]
                         yield event([final])
