@@ -168,17 +168,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 makes greedy outputs comparable across modes")
+    ap.add_argument("--schemas", type=int, default=None, help="use only the first N schemas (a smoke run)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cases = extraction_cases() + varied_cases()
     if args.quick:
         cases = cases[:4] + varied_cases()[:4]
-        args.repeats = 2
+    cases = cases[: args.schemas]
     print(f"{len(cases)} schemas")
 
     def make(forced: bool) -> Engine:
-        return Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8, forced_drafts=forced)), log=False)
+        return Engine(EngineConfig(dtype=args.dtype, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8, forced_drafts=forced)), log=False)
 
     plain, forced = make(False), make(True)
     engines = {"off": (plain, True), "forced": (forced, True), "ngram": (plain, False), "ngram+forced": (forced, False)}
@@ -196,7 +198,7 @@ def main() -> None:
         print(f"  {label}: p50 {np.percentile(xs, 50) * 1e3:.3f} ms, p99 {np.percentile(xs, 99) * 1e3:.3f} ms over {len(xs)} positions")
 
     print(f"3. throughput, single stream, greedy, ABBA x{args.repeats}:")
-    fixed = extraction_cases()[: 4 if args.quick else 6]
+    fixed = extraction_cases()[: 4 if args.quick else 6][: args.schemas]
 
     def run(engine, spec_off, schema=True):
         return lambda c: timed(engine, params(c[1] if schema else None, 0.0, 0, spec_off, args.max_tokens), chat(c[1], c[2]))

@@ -101,12 +101,12 @@ def test_json_schema_response_validates_streamed_and_not(client):
 
 def test_json_object_response_is_a_json_object_streamed_and_not(client):
     fmt = {"type": "json_object"}
-    r = create(client, response_format=fmt, max_tokens=200)
+    r = create(client, response_format=fmt, max_tokens=40)
     text = r.choices[0].message.content
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    streamed_text, _, finish, _ = streamed(client, response_format=fmt, max_tokens=200)
+    streamed_text, _, finish, _ = streamed(client, response_format=fmt, max_tokens=40)
     assert streamed_text == text and finish == r.choices[0].finish_reason
 
 
@@ -144,9 +144,9 @@ def test_forced_tool_calls_stream_like_openai_and_match_unstreamed(client, tool_
 
 
 def test_auto_tool_choice_gives_text_or_calls_identically_streamed(client):
-    r = create(client, tools=TOOLS, tool_choice="auto", max_tokens=60)
+    r = create(client, tools=TOOLS, tool_choice="auto", max_tokens=30)
     message = r.choices[0].message
-    text, calls, finish, _ = streamed(client, tools=TOOLS, max_tokens=60)
+    text, calls, finish, _ = streamed(client, tools=TOOLS, max_tokens=30)
     if message.tool_calls:
         assert finish == r.choices[0].finish_reason == "tool_calls"
         assert [c["arguments"] for c in calls.values()] == [c.function.arguments for c in message.tool_calls]
@@ -221,3 +221,24 @@ def test_forced_drafts_show_in_stream_stats_and_metrics(client, server):
     metrics = httpx.get(f"{server.url}/metrics").text
     line = next(l for l in metrics.splitlines() if l.startswith("specstream_spec_decode_num_forced_tokens_total"))
     assert float(line.split()[-1]) >= forced
+
+
+def test_sdk_types_tool_calls_assembles_streamed_deltas_and_parses_json(server):
+    from clients import Client, ToolCallAssembler
+
+    with Client(f"{server.url}/v1") as sdk:
+        kw = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 120, "tools": TOOLS, "tool_choice": "required"}
+        whole = sdk.chat.completions.create(**kw)
+        calls = whole.choices[0].message.tool_calls
+        assert whole.choices[0].finish_reason == "tool_calls" and calls
+        jsonschema.validate(calls[0].function.parsed_arguments(), SCHEMAS[calls[0].function.name])
+        assembler = ToolCallAssembler()
+        with sdk.chat.completions.create(stream=True, **kw) as stream:
+            for chunk in stream:
+                for choice in chunk.choices:
+                    assembler.add(choice.delta)
+        assert [(c.function.name, c.function.arguments) for c in assembler.calls] == [(c.function.name, c.function.arguments) for c in calls]
+        assert all(c.id.startswith("call_") and c.type == "function" for c in assembler.calls)
+        fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+        reply = sdk.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=80, response_format=fmt)
+        jsonschema.validate(reply.choices[0].message.parsed(), SCHEMA)
