@@ -99,26 +99,24 @@ def params(schema: dict | None, temperature: float, seed: int, spec_off: bool, m
     )
 
 
-def validity(engines: dict, cases, max_tokens: int) -> tuple[dict, list]:
-    """Per (mode, temperature): outputs valid / total. Returns the greedy outputs by mode too."""
-    results, greedy = {}, {}
-    for temperature in (0.0, 0.8):
-        for mode, (engine, spec_off) in engines.items():
-            outs = engine.generate([chat(s, t) for _, s, t in cases], [params(s, temperature, i, spec_off, max_tokens) for i, (_, s, _) in enumerate(cases)])
-            ok = 0
-            for (name, schema, _), out in zip(cases, outs):
-                try:
-                    jsonschema.validate(json.loads(out.text), schema)
-                    ok += 1
-                except (ValueError, jsonschema.ValidationError) as exc:
-                    print(f"  INVALID {mode} T={temperature} {name} ({out.finish_reason}): {out.text!r}: {exc}"[:300])
-            drafted, forced = sum(o.stats.drafted for o in outs), sum(o.stats.forced for o in outs)
-            accepted = sum(o.stats.accepted for o in outs)
-            results[(mode, temperature)] = (ok, len(outs), drafted, forced, accepted)
-            print(f"  {mode:13s} T={temperature}: {ok}/{len(outs)} valid, drafted {drafted} (forced {forced}), accepted {accepted}")
-            if temperature == 0.0:
-                greedy[mode] = [o.token_ids for o in outs]
-    return results, greedy
+def validity(engines: dict, cases, max_tokens: int, temperature: float) -> tuple[dict, dict]:
+    """Per mode: (valid, total, drafted, forced, accepted), and the token ids of every output."""
+    results, tokens = {}, {}
+    for mode, (engine, spec_off) in engines.items():
+        outs = engine.generate([chat(s, t) for _, s, t in cases], [params(s, temperature, i, spec_off, max_tokens) for i, (_, s, _) in enumerate(cases)])
+        ok = 0
+        for (name, schema, _), out in zip(cases, outs):
+            try:
+                jsonschema.validate(json.loads(out.text), schema)
+                ok += 1
+            except (ValueError, jsonschema.ValidationError) as exc:
+                print(f"  INVALID {mode} T={temperature} {name} ({out.finish_reason}): {out.text!r}: {exc}"[:300])
+        drafted, forced = sum(o.stats.drafted for o in outs), sum(o.stats.forced for o in outs)
+        accepted = sum(o.stats.accepted for o in outs)
+        results[mode] = (ok, len(outs), drafted, forced, accepted)
+        print(f"  {mode:13s} T={temperature}: {ok}/{len(outs)} valid, drafted {drafted} (forced {forced}), accepted {accepted}", flush=True)
+        tokens[mode] = [o.token_ids for o in outs]
+    return results, tokens
 
 
 def mask_costs(engine: Engine, cases, outputs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +153,7 @@ def throughput(pairs: list[tuple[str, callable, callable]], cases, repeats: int)
                     tok[which] += n
                     sec[which] += dt
         a, b = tok["a"] / sec["a"], tok["b"] / sec["b"]
-        print(f"  {label}: {a:.1f} -> {b:.1f} tok/s = {b / a:.2f}x")
+        print(f"  {label}: {a:.1f} -> {b:.1f} tok/s = {b / a:.2f}x", flush=True)
 
 
 def timed(engine: Engine, p: SamplingParams, messages) -> tuple[int, float]:
@@ -171,42 +169,52 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float32", help="float32 makes greedy outputs comparable across modes")
     ap.add_argument("--schemas", type=int, default=None, help="use only the first N schemas (a smoke run)")
+    ap.add_argument("--throughput-schemas", type=int, default=6)
+    ap.add_argument("--fixed-k", action="store_true", help="k = k_max, no calibration at start-up (faster to start)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cases = extraction_cases() + varied_cases()
     if args.quick:
         cases = cases[:4] + varied_cases()[:4]
+        args.throughput_schemas = 2
     cases = cases[: args.schemas]
-    print(f"{len(cases)} schemas")
+    print(f"{len(cases)} schemas", flush=True)
 
     def make(forced: bool) -> Engine:
-        return Engine(EngineConfig(dtype=args.dtype, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8, forced_drafts=forced)), log=False)
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=8, adaptive=not args.fixed_k, forced_drafts=forced)
+        return Engine(EngineConfig(dtype=args.dtype, speculative=spec), log=False)
 
     plain, forced = make(False), make(True)
     engines = {"off": (plain, True), "forced": (forced, True), "ngram": (plain, False), "ngram+forced": (forced, False)}
-
-    print("1. validity (jsonschema), all schemas of a cell batched:")
-    results, greedy = validity(engines, cases, args.max_tokens)
-    valid = sum(r[0] for r in results.values())
-    total = sum(r[1] for r in results.values())
-    same = all(greedy[m] == greedy["off"] for m in greedy)
-    print(f"  => {valid}/{total} valid ({100 * valid / total:.1f}%); fp32 greedy identical across modes: {same}")
-
-    print("2. mask cost per sequence per position (greedy outputs replayed):")
-    fill, total_cost = mask_costs(plain, cases, greedy["off"])
-    for label, xs in (("llguidance mask", fill), ("mask + unpack + apply", total_cost)):
-        print(f"  {label}: p50 {np.percentile(xs, 50) * 1e3:.3f} ms, p99 {np.percentile(xs, 99) * 1e3:.3f} ms over {len(xs)} positions")
-
-    print(f"3. throughput, single stream, greedy, ABBA x{args.repeats}:")
-    fixed = extraction_cases()[: 4 if args.quick else 6][: args.schemas]
+    fixed = extraction_cases()[: args.throughput_schemas]
 
     def run(engine, spec_off, schema=True):
         return lambda c: timed(engine, params(c[1] if schema else None, 0.0, 0, spec_off, args.max_tokens), chat(c[1], c[2]))
 
+    # Most telling first, so that a run cut short still answers the main questions.
+    print("1. validity (jsonschema), greedy, all schemas of a cell batched:", flush=True)
+    results, greedy = validity(engines, cases, args.max_tokens, 0.0)
+    same = all(greedy[m] == greedy["off"] for m in greedy)
+    print(f"  => fp32 greedy identical across modes: {same}", flush=True)
+
+    print("2. mask cost per sequence per position (greedy outputs replayed):", flush=True)
+    fill, total_cost = mask_costs(plain, cases, greedy["off"])
+    for label, xs in (("llguidance mask", fill), ("mask + unpack + apply", total_cost)):
+        print(f"  {label}: p50 {np.percentile(xs, 50) * 1e3:.3f} ms, p99 {np.percentile(xs, 99) * 1e3:.3f} ms over {len(xs)} positions", flush=True)
+
+    print(f"3. throughput, single stream, greedy, {len(fixed)} fixed-key extraction schemas, ABBA x{args.repeats}:", flush=True)
+    throughput([("speculation off: forced drafts off -> on", run(plain, True), run(forced, True))], fixed, args.repeats)
+
+    print("4. validity, temperature 0.8:", flush=True)
+    sampled, _ = validity(engines, cases, args.max_tokens, 0.8)
+    valid = sum(r[0] for r in list(results.values()) + list(sampled.values()))
+    total = sum(r[1] for r in list(results.values()) + list(sampled.values()))
+    print(f"  => {valid}/{total} valid ({100 * valid / total:.1f}%) over {len(cases)} schemas x 4 modes x 2 temperatures", flush=True)
+
+    print("5. more throughput pairs:", flush=True)
     throughput(
         [
-            ("fixed-key extraction, speculation off: forced drafts off -> on", run(plain, True), run(forced, True)),
-            ("fixed-key extraction, ngram: forced drafts off -> on", run(plain, False), run(forced, False)),
+            ("ngram: forced drafts off -> on", run(plain, False), run(forced, False)),
             ("no schema -> schema (forced drafts and speculation off)", run(plain, True, schema=False), run(plain, True)),
         ],
         fixed,
