@@ -170,6 +170,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 makes greedy outputs comparable across modes")
     ap.add_argument("--schemas", type=int, default=None, help="use only the first N schemas (a smoke run)")
     ap.add_argument("--throughput-schemas", type=int, default=6)
+    ap.add_argument("--throughput-only", action="store_true", help="only section 3 (forced drafts on vs off)")
     ap.add_argument("--fixed-k", action="store_true", help="k = k_max, no calibration at start-up (faster to start)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -191,6 +192,10 @@ def main() -> None:
     def run(engine, spec_off, schema=True):
         return lambda c: timed(engine, params(c[1] if schema else None, 0.0, 0, spec_off, args.max_tokens), chat(c[1], c[2]))
 
+    if args.throughput_only:
+        print(f"3. throughput, single stream, greedy, {len(fixed)} fixed-key extraction schemas, ABBA x{args.repeats}:", flush=True)
+        throughput([("speculation off: forced drafts off -> on", run(plain, True), run(forced, True))], fixed, args.repeats)
+        return
     # Most telling first, so that a run cut short still answers the main questions.
     print("1. validity (jsonschema), greedy, all schemas of a cell batched:", flush=True)
     results, greedy = validity(engines, cases, args.max_tokens, 0.0)

@@ -179,14 +179,14 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine failed: {self._dead!r}")
         if not self.is_ready:
             raise EngineDeadError("the engine is not running")
+        if params is not None and params.structured is not None:
+            # [structured] compile off the engine thread (cached; the worker takes a copy); a bad grammar raises here
+            await asyncio.to_thread(self.engine.structured.compiler.compile, params.structured)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._active:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self._pending_adds + self.engine.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
-        if params is not None and params.structured is not None:
-            # [structured] compile off the engine thread (cached; the worker takes a copy); a bad grammar raises here
-            await asyncio.to_thread(self.engine.structured.compiler.compile, params.structured)
         engine_id = f"{request_id}#{next(self._ids)}"
         state = _Stream(asyncio.Queue())
         self._streams[engine_id] = state

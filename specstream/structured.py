@@ -26,6 +26,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import llguidance
+import llguidance.hf
 import numpy as np
 import torch
 
@@ -90,8 +92,6 @@ class StructuredOutput:
 
     def grammar_text(self) -> str:
         """The llguidance grammar for this spec."""
-        import llguidance
-
         kind = self.kind
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_OPTIONS)
@@ -141,16 +141,12 @@ class GrammarCompiler:
     def ll_tokenizer(self):
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance.hf
-
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_ids)
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutput):
         """A fresh matcher for spec. Raises InvalidRequestError (naming spec.param) for a
         grammar llguidance rejects: a bad schema, an unsupported keyword, a bad regex."""
-        import llguidance
-
         key = spec.key()
         with self._lock:
             template = self._cache.get(key)
@@ -259,7 +255,7 @@ class StructuredDecoding:
         reserve(seq, n) reserves KV for n drafts; budget bounds the forced tokens added to
         the step beyond the scheduler's ks.
         """
-        from specstream.proposers import Draft
+        from specstream.proposers import Draft  # here: proposers -> sampling -> this module
 
         out = []
         for seq, k, draft in zip(seqs, ks, drafts):
@@ -316,8 +312,6 @@ class StructuredDecoding:
     def _masks(self, items: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
         """Bool masks [len(tokens) + 1, V] per (matcher, draft tokens): row i is what the
         grammar allows after tokens[:i]. The matchers end where they started."""
-        import llguidance
-
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
