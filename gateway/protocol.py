@@ -10,8 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway import tools as tool_format
 from gateway.errors import APIError
-from specstream import SamplingParams
-from specstream.structured import StructuredOutput
+from specstream import SamplingParams, StructuredOutput
 
 # Fields of the OpenAI API that this server does not implement: a request using one gets a
 # 400 naming it (a falsy value, e.g. tools=[], is accepted as "not used").

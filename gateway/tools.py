@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from specstream.structured import JSON_OPTIONS, StructuredOutput
+from specstream import JSON_OPTIONS, StructuredOutput
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "}\n</tool_call>"
