@@ -139,6 +139,36 @@ def mask_costs(engine: Engine, cases, outputs: list[list[int]]) -> tuple[np.ndar
     return np.array(fill), np.array(total)
 
 
+def mask_costs_random_walk(cases, max_positions: int = 150, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """mask_costs() without the model: each schema's matcher walks a random path of allowed
+    tokens (ending when EOS is allowed), so the cost is measured on real grammar states."""
+    from specstream.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from transformers import AutoConfig
+
+    source = resolve_model(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(source)
+    vocab = AutoConfig.from_pretrained(source.path, **source.kwargs).vocab_size
+    sd = StructuredDecoding(tokenizer, vocab, {tokenizer.eos_token_id})
+    rng = np.random.default_rng(seed)
+    row = torch.randn(1, vocab)
+    fill, total = [], []
+    for _, schema, _ in cases:
+        matcher = sd.compiler.compile(StructuredOutput(json_schema=schema))
+        for _ in range(max_positions):
+            start = time.perf_counter()
+            mask = sd._masks([(matcher, [])])[0]
+            mid = time.perf_counter()
+            sd._apply(row, mask)
+            end = time.perf_counter()
+            fill.append(mid - start)
+            total.append(end - start)
+            allowed = np.flatnonzero(mask[0].numpy())
+            if tokenizer.eos_token_id in allowed or matcher.is_stopped():
+                break
+            matcher.consume_token(int(rng.choice(allowed)))
+    return np.array(fill), np.array(total)
+
+
 def throughput(pairs: list[tuple[str, callable, callable]], cases, repeats: int) -> None:
     """For each (label, run_a, run_b): tokens/s of b over a, ABBA-interleaved over repeats."""
     for label, run_a, run_b in pairs:
@@ -171,6 +201,7 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=None, help="use only the first N schemas (a smoke run)")
     ap.add_argument("--throughput-schemas", type=int, default=6)
     ap.add_argument("--throughput-only", action="store_true", help="only section 3 (forced drafts on vs off)")
+    ap.add_argument("--mask-only", action="store_true", help="only the mask cost, on random walks through each grammar (no model)")
     ap.add_argument("--fixed-k", action="store_true", help="k = k_max, no calibration at start-up (faster to start)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -180,6 +211,13 @@ def main() -> None:
         args.throughput_schemas = 2
     cases = cases[: args.schemas]
     print(f"{len(cases)} schemas", flush=True)
+
+    if args.mask_only:
+        fill, total_cost = mask_costs_random_walk(cases)
+        print("2. mask cost per sequence per position (random walks through each schema's grammar):")
+        for label, xs in (("llguidance mask", fill), ("mask + unpack + apply", total_cost)):
+            print(f"  {label}: p50 {np.percentile(xs, 50) * 1e3:.3f} ms, p99 {np.percentile(xs, 99) * 1e3:.3f} ms over {len(xs)} positions")
+        return
 
     def make(forced: bool) -> Engine:
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=8, adaptive=not args.fixed_k, forced_drafts=forced)
