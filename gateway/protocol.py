@@ -8,8 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway import tools as tool_format
 from gateway.errors import APIError
-from specstream import SamplingParams
+from specstream import SamplingParams, StructuredOutput
 
 # Static bounds, checked before anything reaches the engine (which also checks top_k against
 # its vocabulary, and prompt + max_tokens against its context).
@@ -21,12 +22,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 # Fields of the OpenAI API that this server does not implement: a request using one gets a
 # 400 naming it (a falsy value, e.g. tools=[], is accepted as "not used").
 UNSUPPORTED = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
-    "logit_bias": "logit_bias",
+    "functions": "function calling (the legacy API; use tools)",
+    "function_call": "function calling (the legacy API; use tool_choice)",
     "audio": "audio output",
     "prediction": "predicted outputs",
     "web_search_options": "web search",
@@ -76,13 +73,15 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's prompt caching routing hint: a load balancer may route on it (deploy/nginx.conf).
     prompt_cache_key: str | None = Field(default=None, max_length=256)
+    # [structured] logit_bias (bounds checked by SamplingParams) and vLLM's guided decoding extras
+    logit_bias: dict[str, float] | None = None
+    guided_json: dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Known but unsupported: typed loosely so the error can name the feature.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    logit_bias: Any = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
@@ -135,6 +134,20 @@ class _SamplingFields(_Strict):
             )
         return spec.num_speculative_tokens
 
+    def structured(self) -> StructuredOutput | None:
+        """[structured] The grammar this request asks for (vLLM's guided_* extras here;
+        response_format and tools on chat requests)."""
+        given = {
+            "guided_json": {"json_schema": self.guided_json},
+            "guided_regex": {"regex": self.guided_regex},
+            "guided_choice": {"choice": self.guided_choice},
+            "guided_grammar": {"grammar": self.guided_grammar},
+        }
+        used = [name for name in given if getattr(self, name) is not None]
+        if len(used) > 1:
+            raise APIError(400, f"use at most one of {', '.join(used)}", param=used[1])
+        return StructuredOutput(**given[used[0]], param=used[0]) if used else None
+
     def sampling_params(
         self, *, max_tokens: int | None, logprobs: int | None, seed_offset: int, engine_method: str
     ) -> SamplingParams:
@@ -151,27 +164,79 @@ class _SamplingFields(_Strict):
             logprobs=logprobs,
             num_speculative_tokens=self.speculation_cap(engine_method),
             cache_salt=self.cache_salt,
+            structured=self.structured(),  # [structured]
+            logit_bias=self.logit_bias,  # [structured]
         )
+
+
+class FunctionCall(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    arguments: str
+
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
     refusal: Any = None
 
     def text(self, index: int) -> str:
         where = f"messages[{index}]"
-        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id:
+        if self.role == "function":
             raise APIError(
                 400,
-                f"{where}: tool messages are not supported by this server",
+                f"{where}: 'function' messages (the legacy API) are not supported; use 'tool'",
                 param=where,
                 code="unsupported_parameter",
             )
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(400, f"{where}: a tool message needs tool_call_id", param=f"{where}.tool_call_id")
         if self.content is None:
+            if self.tool_calls:
+                return ""
             raise APIError(400, f"{where}: content is required", param=f"{where}.content")
         if isinstance(self.content, str):
             return self.content
@@ -200,25 +265,84 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict | None = None
+    # [structured] response_format and tools
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(
-                400,
-                "response_format other than {'type': 'text'} is not supported",
-                param="response_format",
-                code="unsupported_parameter",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        # [structured]
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tool function names must be unique", param="tools")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names '{self.tool_choice.function.name}', which is not in tools",
+                param="tool_choice.function.name",
+            )
+        fmt = self.response_format
+        if (
+            fmt is not None
+            and fmt.type == "json_schema"
+            and (fmt.json_schema is None or fmt.json_schema.schema_ is None)
+        ):
+            raise APIError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
+            )
+        grammars = [
+            n
+            for n in ("response_format", "tools", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if self._constrains(n)
+        ]
+        if len(grammars) > 1:
+            raise APIError(400, f"{grammars[0]} and {grammars[1]} cannot be combined", param=grammars[1])
+
+    def _constrains(self, name: str) -> bool:
+        if name == "response_format":
+            return self.response_format is not None and self.response_format.type != "text"
+        if name == "tools":
+            return self.tool_mode is not None
+        return getattr(self, name) is not None
+
+    @property
+    def tool_mode(self):
+        """[structured] None (no tools in play), "auto", "required", or a NamedToolChoice."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured(self) -> StructuredOutput | None:
+        """[structured] response_format or tools (or a guided_* extra) as a grammar."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutput(json_object=True, param="response_format")
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutput(json_schema=fmt.json_schema.schema_, param="response_format.json_schema.schema")
+        if self.tool_mode is not None:
+            choice = self.tool_mode if isinstance(self.tool_mode, str) else self.tool_mode.model_dump()
+            return tool_format.tool_grammar(self.tool_dicts(), choice, self.parallel_tool_calls)
+        return super().structured()
 
     def chat_messages(self) -> list[dict]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(self.messages)
-        ]
+        messages = []
+        for i, m in enumerate(self.messages):
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            messages.append(message)
+        if not any("tool_calls" in m or m["role"] == "tool" for m in messages) and self.tool_mode is None:
+            return messages
+        return tool_format.render_messages(messages, self.tool_dicts(), self.tool_choice)  # [structured]
 
     @property
     def requested_max_tokens(self) -> int | None:

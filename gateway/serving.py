@@ -200,6 +200,8 @@ class OpenAIServing(ABC):
             stats["drafted"] += chunk.num_drafted
             stats["accepted"] += chunk.num_accepted
             stats["tokens"] += len(chunk.token_ids)
+            if chunk.num_forced:  # [structured] drafts a grammar forced (counted in drafted too)
+                stats["forced"] = stats.get("forced", 0) + chunk.num_forced
             entries = self.logprob_entries(index, chunk) if self.logprobs is not None else []
             if chunk.finished:
                 self.usage.add(index, chunk.usage)

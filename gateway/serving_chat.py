@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway import tools as tool_format
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Delta, OpenAIServing
 from gateway.state import ServingState
@@ -17,6 +18,8 @@ class ServingChat(OpenAIServing):
     def __init__(self, state: ServingState, req: ChatCompletionRequest) -> None:
         super().__init__(state, req, [req.chat_messages()], choices_per_prompt=req.n)
         self.req: ChatCompletionRequest = req
+        # [structured] per choice: tool-call deltas parsed from the streamed reply (None without tools)
+        self.parsers = {i: tool_format.parser_for(req.tool_mode) for i in range(req.n)}
 
     @property
     def max_tokens(self) -> int | None:
@@ -42,11 +45,12 @@ class ServingChat(OpenAIServing):
         return {"content": entries, "refusal": None} if self.req.logprobs else None
 
     def choice_body(self, index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
+        message = tool_format.assistant_message(text, self.req.tool_mode)  # [structured] content or tool_calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": self._logprobs_field(logprobs),
-            "finish_reason": finish_reason,
+            "finish_reason": tool_format.finish_reason(finish_reason, "tool_calls" in message),
         }
 
     def opening_choices(self) -> list[dict]:
@@ -57,22 +61,35 @@ class ServingChat(OpenAIServing):
         ]
 
     def chunk_choices(self, delta: Delta) -> list[dict]:
-        """A content chunk when there is text, then OpenAI's separate finishing chunk with
-        an empty delta; the speculative stats ride on the first of them."""
+        """Content (or tool-call) chunks when there is text, then OpenAI's separate finishing
+        chunk with an empty delta; the speculative stats ride on the first of them."""
         out = []
-        if delta.text or delta.logprobs:
+        parser = self.parsers[delta.index]
+        for n, message in enumerate(self._message_deltas(parser, delta)):
             out.append(
                 {
                     "index": delta.index,
-                    "delta": {"content": delta.text},
-                    "logprobs": self._logprobs_field(delta.logprobs),
+                    "delta": message,
+                    "logprobs": self._logprobs_field(delta.logprobs) if not n else None,
                     "finish_reason": None,
-                    "speculative": delta.speculative,
+                    "speculative": delta.speculative if not n else dict.fromkeys(delta.speculative, 0),
                 }
             )
         if delta.finish_reason is not None:
-            final = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+            made_calls = parser is not None and bool(parser.calls)
+            reason = tool_format.finish_reason(delta.finish_reason, made_calls)  # [structured] "tool_calls"
+            final = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": reason}
             if not out and delta.speculative["tokens"]:
                 final["speculative"] = delta.speculative
             out.append(final)
         return out
+
+    @staticmethod
+    def _message_deltas(parser: tool_format.ToolCallParser | None, delta: Delta) -> list[dict]:
+        """The delta's text as content, or [structured] as content and tool-call deltas."""
+        if parser is None:
+            return [{"content": delta.text}] if delta.text or delta.logprobs else []
+        messages = parser.feed(delta.text) + (parser.finish() if delta.finish_reason is not None else [])
+        if not messages and delta.logprobs:
+            messages = [{"content": ""}]
+        return messages

@@ -8,6 +8,7 @@ from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, R
 from specstream.outputs import RequestOutput, StreamChunk, Usage
 from specstream.sampling import SamplingParams
 from specstream.sequence import SpecStats
+from specstream.structured import JSON_OPTIONS, StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,8 @@ __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "StreamChunk",
+    "StructuredOutput",
+    "JSON_OPTIONS",
     "Usage",
     "AsyncEngine",
     "EngineDeadError",

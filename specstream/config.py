@@ -16,6 +16,8 @@ class SpeculativeConfig:
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.
+    forced_drafts: draft the tokens a request's grammar forces (structured outputs), on
+    top of k and whatever the method ("off" included).
     """
 
     method: str = "ngram"
@@ -25,6 +27,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive: bool = True
+    forced_drafts: bool = True  # [structured]
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -34,6 +34,7 @@ from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
 from specstream.scheduler import Scheduler, StepPlan
 from specstream.sequence import Sequence
+from specstream.structured import StructuredDecoding, proposer_share
 from specstream.verify import Round, RoundResult, verify_round
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,12 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
         self.runner = ModelRunner(self.model, self.pool)
         self.proposer = self._make_proposer()
+        # [structured] grammars, forced drafts, masks; the draft model's logits are masked too
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, forced_drafts=spec.forced_drafts
+        )
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.constrain = self.structured.mask_draft_logits
         target_cost = None
         if spec.enabled and spec.adaptive:
             target_cost = self._calibrate(self.runner)
@@ -100,6 +107,7 @@ class Engine:
             rng=random.Random(config.seed),
             max_prompt_chars=config.max_prompt_chars,
             allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+            structured=self.structured,
         )
         self._requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
@@ -231,7 +239,8 @@ class Engine:
         for seq, n in plan.prefills:
             seq.num_cached += n
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
-        for i, (rnd, result) in enumerate(zip(rounds, self._verify(rounds))):
+        masked = self.structured.mask_rounds(rounds)  # [structured] grammar masks, logit bias; logprobs stay unmasked
+        for i, (rnd, result) in enumerate(zip(rounds, self._verify(masked))):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
         self._update_gauges()
         return outputs
@@ -246,6 +255,15 @@ class Engine:
         """Drafts for the decoding sequences, each cut to its k: (the sequences still
         decoding, their drafts, the chunks of those that failed)."""
         self.proposer.prefill(plan.prefills)
+        decodes, drafts, failed = self._draft(plan)
+        # [structured] grammar-forced tokens lead constrained drafts; drafts cut to what the grammar accepts
+        kept = {id(s) for s in decodes}
+        ks = [k for s, k in zip(plan.decodes, plan.ks) if id(s) in kept]
+        lookup = self.proposer.lookup if isinstance(self.proposer, NgramProposer) else None
+        drafts = self.structured.drafts(decodes, ks, drafts, lookup, self._reserve_drafts, self._spare_tokens(plan))
+        return decodes, drafts, failed
+
+    def _draft(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         if not any(plan.ks):
             return plan.decodes, [Draft([]) for _ in plan.decodes], []
         try:
@@ -253,6 +271,14 @@ class Engine:
         except Exception:  # noqa: BLE001 - find the sequence it belongs to
             return self._propose_one_by_one(plan.decodes, plan.ks)
         return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
+
+    # [structured] what forced drafts beyond k need: KV room and the step's spare token budget
+    def _reserve_drafts(self, seq: Sequence, n: int) -> bool:
+        return self.pool.reserve(seq.block_table, len(seq.token_ids) + n)
+
+    def _spare_tokens(self, plan: StepPlan) -> int:
+        used = sum(1 + k for k in plan.ks) + sum(n for _, n in plan.prefills)
+        return max(self.config.max_num_batched_tokens - used, 0)
 
     def _propose_one_by_one(
         self, seqs: list[Sequence], ks: list[int]
@@ -320,11 +346,14 @@ class Engine:
             # The last token and the accepted drafts now have KV; the rejected ones' slots
             # are simply past the length.
             seq.num_cached += 1 + result.num_accepted
-        new = self._append(seq, result.tokens)
+        tokens = self.structured.commit(seq, result.tokens)  # [structured] a refused token fails this request alone
+        new = self._append(seq, tokens)
+        self.structured.finish_if_complete(seq)  # [structured] "stop" once the grammar is complete
         # Accepted drafts cut off by a stop or the length limit were never emitted.
         accepted = min(result.num_accepted, len(new))
-        self._record(seq, rnd.k, accepted, len(new), decoding)
-        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits)
+        forced = rnd.draft.num_forced
+        self._record(seq, rnd.k, accepted, len(new), decoding, forced)
+        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits, forced)
         if seq.finish_reason is not None:
             self._finish(seq)
         else:
@@ -348,14 +377,18 @@ class Engine:
                 return tokens[:n]
         return list(tokens)
 
-    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int, num_emitted: int, decoding: bool) -> None:
-        seq.stats.record(num_drafted, num_accepted)
-        if decoding:
-            record_round(seq, num_drafted, num_accepted)
-        self.metrics.record_round(num_drafted, num_accepted, num_emitted)
+    def _record(
+        self, seq: Sequence, num_drafted: int, num_accepted: int, num_emitted: int, decoding: bool, num_forced: int = 0
+    ) -> None:
+        seq.stats.record(num_drafted, num_accepted, num_forced)
+        if decoding:  # [structured] the k policy learns from the proposer's own drafts only
+            record_round(seq, *proposer_share(num_drafted, num_accepted, num_forced))
+        self.metrics.record_round(num_drafted, num_accepted, num_emitted, num_forced)
 
     @staticmethod
-    def _chunk(seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor) -> StreamChunk:
+    def _chunk(
+        seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor, num_forced: int = 0
+    ) -> StreamChunk:
         finished = seq.finish_reason is not None
         top = seq.params.logprobs
         return StreamChunk(
@@ -364,6 +397,7 @@ class Engine:
             token_ids=new,
             num_drafted=num_drafted,
             num_accepted=num_accepted,
+            num_forced=num_forced,
             finish_reason=seq.finish_reason,
             usage=_usage(seq) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,

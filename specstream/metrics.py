@@ -32,6 +32,11 @@ class EngineMetrics:
         self.num_accepted_tokens_per_pos = Counter(
             "specstream_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ["position"], registry=r
         )
+        # [structured] grammar-forced drafts, counted in num_draft_tokens/num_accepted_tokens too
+        self.num_forced_tokens = Counter("specstream_spec_decode_num_forced_tokens", "Draft tokens forced by a grammar.", registry=r)
+        self.num_forced_accepted_tokens = Counter(
+            "specstream_spec_decode_num_forced_accepted_tokens", "Grammar-forced draft tokens accepted.", registry=r
+        )
         self.prompt_tokens = Counter("specstream_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("specstream_generation_tokens", "Tokens generated.", registry=r)
         self.num_running = Gauge("specstream_num_requests_running", "Sequences in the running batch.", registry=r)
@@ -56,8 +61,11 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(stats.hits - seen.hits)
         self._prefix_seen = PrefixCacheStats(stats.queries, stats.hits)
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int, num_forced: int = 0) -> None:
         self.generation_tokens.inc(num_tokens)
+        if num_forced:  # [structured]
+            self.num_forced_tokens.inc(num_forced)
+            self.num_forced_accepted_tokens.inc(min(num_forced, num_accepted))
         if num_drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(num_drafted)

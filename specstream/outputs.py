@@ -44,6 +44,7 @@ class StreamChunk:
     error: str | None = None
     prompt_token_ids: list[int] | None = None  # on a request's first chunk only
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    num_forced: int = 0  # [structured] of num_drafted, the tokens a grammar forced
 
     @property
     def finished(self) -> bool:

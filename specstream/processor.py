@@ -30,6 +30,7 @@ from specstream.detok import IncrementalDetokenizer
 from specstream.errors import InvalidRequestError
 from specstream.sampling import SamplingParams
 from specstream.sequence import Sequence
+from specstream.structured import StructuredDecoding
 
 # A prompt's characters per token of context before it is refused untokenized. Real text
 # runs 3-5 characters per token; only long runs that one token covers (rows of spaces or
@@ -50,6 +51,7 @@ class InputProcessor:
     max_prompt_chars: int | None = None  # default: max_model_len * PROMPT_CHARS_PER_TOKEN
     allow_special_tokens_in_content: bool = False
     arrivals: Iterator[int] = field(default_factory=itertools.count)
+    structured: StructuredDecoding | None = None  # [structured] compiles each request's grammar (thread-safe)
 
     def __post_init__(self) -> None:
         if self.max_prompt_chars is None:
@@ -68,9 +70,13 @@ class InputProcessor:
         max_tokens = self._resolve_max_tokens(len(ids), params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(64)
         detokenizer = IncrementalDetokenizer(self.output_tokenizer, ids, params.stop, params.skip_special_tokens)
-        return Sequence(
+        # [structured] the grammar compiles (or comes from the cache) here, before admission: a bad one is refused
+        constraint = self.structured.constraint_for(params) if self.structured is not None else None
+        seq = Sequence(
             request_id, ids, params, next(self.arrivals), seed=seed, max_tokens=max_tokens, detokenizer=detokenizer
         )
+        seq.constraint = constraint
+        return seq
 
     def check_params(self, params: SamplingParams) -> None:
         """The limits of SamplingParams that depend on the model."""

@@ -24,6 +24,7 @@ from specstream.sequence import Sequence
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
+    num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
 
 
 class Proposer:
@@ -103,6 +104,8 @@ class DraftModelProposer(Proposer):
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
         self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if prefix_caching else None
         self._state: dict[str, _DraftKV] = {}  # by request_id
+        # [structured] (logits, seqs, drafted tokens) -> logits masked by each sequence's grammar
+        self.constrain = None
 
     def pass_cost(self, num_seqs: int) -> float:
         return self.cost(num_seqs) if self.cost is not None else 0.0
@@ -132,6 +135,8 @@ class DraftModelProposer(Proposer):
                 kv.fed += len(new)
             logits = self.runner.forward(items)
             rows = list(active)
+            if self.constrain is not None:  # [structured]
+                logits = self.constrain(logits, [seqs[i] for i in rows], [drafts[i].tokens for i in rows])
             self._choose(logits, [seqs[i] for i in rows], [drafts[i] for i in rows], [probs[i] for i in rows], step)
             step += 1
             active = {i: [drafts[i].tokens[-1]] for i in active if ks[i] > step}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specstream.errors import InvalidRequestError
+from specstream.structured import StructuredOutput, check_logit_bias
 
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
@@ -49,6 +50,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     num_speculative_tokens: int | None = None  # this request's k_max: None = engine's, 0 = no speculation
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    structured: StructuredOutput | None = None  # [structured] the grammar the output must match
+    logit_bias: dict[int, float] | None = None  # [structured] added to the logits of these token ids
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -73,6 +76,9 @@ class SamplingParams:
             _integer(self.num_speculative_tokens, "num_speculative_tokens", low=0, high=MAX_SPECULATIVE_TOKENS)
         if self.cache_salt is not None:
             _cache_salt(self.cache_salt)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):  # [structured]
+            raise InvalidRequestError("structured must be a StructuredOutput", param="structured")
+        self.logit_bias = check_logit_bias(self.logit_bias)  # [structured]
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ class SpecStats:
     rounds: int = 0  # verification rounds (engine steps that produced tokens)
     drafted: int = 0  # draft tokens proposed and verified
     accepted: int = 0  # draft tokens the target accepted
+    forced: int = 0  # [structured] drafted tokens that the grammar forced (counted in drafted too)
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
 
@@ -30,8 +31,9 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_forced: int = 0) -> None:
         self.rounds += 1
+        self.forced += num_forced
         self.drafted += num_drafted
         self.accepted += num_accepted
         grow = num_drafted - len(self.drafted_per_position)
@@ -74,6 +76,7 @@ class Sequence:
         self.stats = SpecStats()
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.detokenizer = detokenizer
+        self.constraint = None  # [structured] structured.Constraint (grammar, logit bias), set by the processor
         # Acceptance history for the adaptive k policy (exponentially decayed counts).
         self.accept_mass = 0.0
         self.reject_mass = 0.0

@@ -310,8 +310,12 @@ def test_malformed_bodies_are_400(server, body, fragment):
         ({"n": 1000}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stream": "yes"}, "stream"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+        ),
+        ({"logit_bias": {"1": 200}}, "logit_bias"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0]",

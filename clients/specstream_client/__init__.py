@@ -20,7 +20,18 @@ from specstream_client._exceptions import (
     NotFoundError,
     RateLimitError,
 )
-from specstream_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, SpeculativeStats, Usage
+from specstream_client.types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    FunctionCall,
+    Model,
+    SpeculativeStats,
+    ToolCall,
+    ToolCallAssembler,
+    ToolCallDelta,
+    Usage,
+)
 
 __all__ = [
     "APIConnectionError",
@@ -35,11 +46,15 @@ __all__ = [
     "ChatCompletionChunk",
     "Client",
     "Completion",
+    "FunctionCall",
     "InternalServerError",
     "Model",
     "NotFoundError",
     "RateLimitError",
     "SpeculativeStats",
     "Stream",
+    "ToolCall",
+    "ToolCallAssembler",
+    "ToolCallDelta",
     "Usage",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,6 +36,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
+    forced: int = 0  # of drafted, the tokens a grammar forced (structured outputs)
 
     @classmethod
     def parse(cls, data: dict | None) -> SpeculativeStats | None:
@@ -42,10 +44,40 @@ class SpeculativeStats:
 
 
 @dataclass
+class FunctionCall:
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+    @classmethod
+    def parse(cls, data: dict) -> ToolCall:
+        fn = data.get("function") or {}
+        return cls(
+            data.get("id", ""), FunctionCall(fn.get("name", ""), fn.get("arguments", "")), data.get("type", "function")
+        )
+
+
+@dataclass
 class Message:
     role: str
     content: str | None
     extra: dict = field(default_factory=dict)
+    tool_calls: list[ToolCall] | None = None
+
+    def parsed(self) -> Any:
+        """The content as JSON (for response_format json_object / json_schema replies)."""
+        if self.content is None:
+            raise ValueError("the message has no content")
+        return json.loads(self.content)
 
 
 @dataclass
@@ -73,7 +105,12 @@ class ChatCompletion:
             choices.append(
                 Choice(
                     index=c.get("index", 0),
-                    message=Message(msg.get("role", "assistant"), msg.get("content"), _known(Message, msg)[1]),
+                    message=Message(
+                        msg.get("role", "assistant"),
+                        msg.get("content"),
+                        _known(Message, msg)[1],
+                        [ToolCall.parse(c) for c in msg["tool_calls"]] if msg.get("tool_calls") else None,
+                    ),
                     finish_reason=c.get("finish_reason"),
                     logprobs=c.get("logprobs"),
                 )
@@ -94,9 +131,50 @@ class ChatCompletion:
 
 
 @dataclass
+class ToolCallDelta:
+    """A piece of a streamed tool call: the first for an index has id and name, the rest
+    carry argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    @classmethod
+    def parse(cls, data: dict) -> ToolCallDelta:
+        fn = data.get("function") or {}
+        return cls(data.get("index", 0), data.get("id"), fn.get("name"), fn.get("arguments") or "")
+
+
+@dataclass
 class Delta:
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @classmethod
+    def parse(cls, data: dict) -> Delta:
+        calls = data.get("tool_calls")
+        return cls(data.get("role"), data.get("content"), [ToolCallDelta.parse(c) for c in calls] if calls else None)
+
+
+class ToolCallAssembler:
+    """Joins streamed tool-call deltas of one choice into whole ToolCalls:
+    ``for chunk in stream: assembler.add(chunk.choices[0].delta)``, then ``assembler.calls``."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, ToolCall] = {}
+
+    def add(self, delta: Delta) -> None:
+        for piece in delta.tool_calls or []:
+            call = self._calls.setdefault(piece.index, ToolCall("", FunctionCall("", "")))
+            call.id = piece.id or call.id
+            call.function.name = piece.name or call.function.name
+            call.function.arguments += piece.arguments
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [self._calls[i] for i in sorted(self._calls)]
 
 
 @dataclass
@@ -121,7 +199,7 @@ class ChatCompletionChunk:
         choices = [
             ChunkChoice(
                 index=c.get("index", 0),
-                delta=Delta(**_known(Delta, c.get("delta") or {})[0]),
+                delta=Delta.parse(c.get("delta") or {}),
                 finish_reason=c.get("finish_reason"),
                 logprobs=c.get("logprobs"),
                 speculative=SpeculativeStats.parse(c.get("speculative")),
