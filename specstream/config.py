@@ -48,7 +48,8 @@ class EngineConfig:
     dtype/device: "auto" picks bf16 where the hardware runs it natively (else fp32) and cuda
     when present. KV space is kv_cache_tokens slots per model; when None it is derived from
     kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
-    model's own limit, capped by the pool).
+    model's own limit, capped by the pool). chat_template: a Jinja file path or inline
+    template that replaces the model's own (needed for chat with a model that has none).
     """
 
     model: str = "smollm2-135m"
@@ -62,6 +63,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 2**20
     kv_block_size: int = 16
     seed: int = 0
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -59,7 +59,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         start = time.perf_counter()
         source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = load_tokenizer(source, chat_template=config.chat_template)
         self.model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         self.model_name = config.model
         self.vocab_size = self.model.config.get_text_config().vocab_size
@@ -157,6 +157,12 @@ class Engine:
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InvalidRequestError("each chat message needs a string 'role' and a string 'content'")
+            if not self.tokenizer.chat_template:
+                raise InvalidRequestError(
+                    f"model '{self.model_name}' has no chat template, so it cannot take chat messages; start it with "
+                    "--chat-template FILE (EngineConfig(chat_template=...)) or send a plain prompt",
+                    param="messages",
+                )
             try:
                 ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
             except Exception as exc:  # noqa: BLE001 - templates raise what they like (jinja errors, ValueError)
