@@ -23,7 +23,7 @@ def _add_serve(sub) -> None:
     a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
-    a("--chat-template", default=_env("chat_template"), help="Jinja chat template (file or inline) for models without one")
+    a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))

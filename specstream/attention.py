@@ -133,7 +133,8 @@ def attend(
     heads, _, d = query.shape[1:]
     q = query[0].index_select(1, ctx.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
     if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=scaling, enable_gqa=heads != k.shape[1])
+        gqa = heads != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=scaling, enable_gqa=gqa)
     else:
         out = explicit_attention(q, k, v, view.mask, scaling, softcap, sinks)
     out = out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, ctx.out_index)
@@ -208,7 +209,7 @@ def check_attention_arguments(module, dropout: float, kwargs: dict) -> None:
     if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
         raise UnsupportedAttentionError(f"{type(module).__name__} uses bidirectional (non-causal) attention")
     if dropout:
-        raise UnsupportedAttentionError(f"{type(module).__name__} asks for attention dropout ({dropout}); is it in training mode?")
+        raise UnsupportedAttentionError(f"{type(module).__name__} asks for attention dropout {dropout}")
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)

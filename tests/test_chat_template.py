@@ -32,7 +32,8 @@ def untemplated_dir(tiny_model_dir, tmp_path_factory):
 
 def engine(path, chat_template=None) -> Engine:
     spec = SpeculativeConfig(method="off")
-    return Engine(EngineConfig(model=str(path), dtype="float32", speculative=spec, chat_template=chat_template), log=False)
+    config = EngineConfig(model=str(path), dtype="float32", speculative=spec, chat_template=chat_template)
+    return Engine(config, log=False)
 
 
 def test_chat_without_a_template_names_the_flag(untemplated_dir):
