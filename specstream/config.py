@@ -52,7 +52,8 @@ class EngineConfig:
     it is tokenized (default: max_model_len * 32). allow_special_tokens_in_content lets text in
     chat message content that spells a special token (say "<|im_start|>") become that token, as
     plain templating does; by default it stays text, so no message can forge another turn. seed
-    seeds the engine's draws of seeds for requests that bring none.
+    seeds the engine's draws of seeds for requests that bring none. chat_template: a Jinja file
+    path or inline template that replaces the model's own (needed for chat with a model that has none).
     """
 
     model: str = "smollm2-135m"
@@ -68,6 +69,7 @@ class EngineConfig:
     seed: int = 0
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
