@@ -33,6 +33,7 @@ def _add_serve(sub) -> None:
     a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
+    a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
@@ -78,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_tokens=args.kv_cache_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            chat_template=args.chat_template,
             speculative=SpeculativeConfig(
                 method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,
@@ -95,10 +97,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from specstream import ModelError, resolve_model
+    from specstream.models import read_chat_template
 
     try:
-        # Fail fast on a bad name (and convert the bundled model) before the server starts.
+        # Fail fast on a bad name or template (and convert the bundled model) before the server starts.
         resolve_model(args.model)
+        if args.chat_template:
+            read_chat_template(args.chat_template)
         if args.draft_model:
             resolve_model(args.draft_model)
     except ModelError as exc:

@@ -55,6 +55,8 @@ class EngineConfig:
     spells a special token (say "<|im_start|>") become that token, as plain templating does; by
     default it stays text, so no message can forge another turn. seed seeds the engine's draws
     of seeds for requests that bring none.
+    chat_template: a Jinja file path or inline template that replaces the model's own (needed
+    for chat with a model that has none).
     """
 
     model: str = "smollm2-135m"
@@ -71,6 +73,7 @@ class EngineConfig:
     seed: int = 0
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -71,7 +71,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         start = time.perf_counter()
         source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = load_tokenizer(source, chat_template=config.chat_template)
         self.model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.eos_token_ids = self._eos_ids()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream import fast_llama
+from specstream.architectures import check_architecture
 from specstream.attention import StepContext, step_context
 from specstream.fast_llama import FastLlama
 from specstream.kv import KVPool
@@ -30,8 +31,23 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        check_architecture(model)
         # Llama-architecture models take the lean forward; others run transformers' modules.
         self.fast = FastLlama(model) if fast and fast_llama.supports(model) else None
+        if self.fast is None:
+            self._probe()
+
+    def _probe(self) -> None:
+        """One tiny forward at load time, so a model whose attention asks for something the
+        packed attention does not implement is refused now (UnsupportedAttentionError, a
+        ModelError), not while serving."""
+        table: list[int] = []
+        if not self.pool.reserve(table, 2):
+            return
+        try:
+            self.forward([ForwardItem(table, 0, [0, 0], 1)])
+        finally:
+            self.pool.free(table)
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
@@ -63,21 +79,13 @@ class ModelRunner:
             kv_index[i, : len(slots)] = slots
             q_index[i, : len(rows)] = rows
         out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
-        if batch == 1 and t_max == 1:
-            mask = None  # one query sees every key: no mask lets attention take its fast path
-        else:
-            # Causal within each sequence: key s is visible to the query at position p when
-            # s <= p. Padding keys lie past every real query of their row; padding query rows
-            # (output dropped) still see key 0, so no row is empty and none yields NaN.
-            q_pos = starts[:, None] + torch.arange(t_max)[None, :]
-            mask = (torch.arange(s_max)[None, None, :] <= q_pos[:, :, None])[:, None].to(dev)
         ctx = StepContext(
             pool=pool,
             slot_mapping=torch.cat(slot_maps).to(dev),
             kv_index=kv_index.to(dev),
             q_index=q_index.to(dev),
             out_index=out_index.to(dev),
-            mask=mask,
+            q_pos=(starts[:, None] + torch.arange(t_max)[None, :]).to(dev),
         )
         keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
         if self.fast is not None:
