@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
     from gateway.settings import GatewaySettings
-    from specstream import AsyncEngine
+    from specstream import AsyncEngine, EngineConfig
 
 
 def _env(name: str, default=None):
@@ -54,6 +54,19 @@ def _add_serve(sub) -> None:
         default=_env("no_prefix_caching", "") in ("1", "true"),
         help="recompute every prompt instead of reusing the KV of earlier requests' shared prefixes",
     )
+    a(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        default=_env("allow_special_tokens_in_content", "") in ("1", "true"),
+        help="let chat message text that spells a special token become that token (off: it stays text)",
+    )
+    a(
+        "--max-prompt-chars",
+        type=int,
+        default=int(_env("max_prompt_chars", "0")) or None,
+        help="characters a prompt may have before it is tokenized (default: 32 per token of context)",
+    )
+    a("--seed", type=int, default=int(_env("seed", "0")), help="seeds the draws for requests that bring no seed")
     a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
@@ -63,29 +76,39 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_serve)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration `specstream serve` flags describe."""
+    from specstream import EngineConfig, SpeculativeConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        chat_template=args.chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        max_prompt_chars=args.max_prompt_chars,
+        seed=args.seed,
+        speculative=SpeculativeConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+        ),
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway.settings import GatewaySettings
-    from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+    from specstream import AsyncEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = args.api_key or [k.strip() for k in (_env("api_keys") or "").split(",") if k.strip()]
     try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_tokens=args.kv_cache_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            chat_template=args.chat_template,
-            speculative=SpeculativeConfig(
-                method=args.speculative_method,
-                num_speculative_tokens=args.num_speculative_tokens,
-                draft_model=args.draft_model,
-            ),
-        )
+        config = engine_config(args)
         settings = GatewaySettings(
             served_model_name=args.served_model_name,
             api_keys=tuple(keys),
