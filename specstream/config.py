@@ -4,21 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("ngram", "draft", "off")
+SPECULATIVE_METHODS = ("auto", "eagle", "ngram", "draft", "off")
 
 
 @dataclass
 class SpeculativeConfig:
     """How drafts are proposed.
 
-    method: "ngram" (prompt lookup over prompt + output), "draft" (a small model sharing the
-    target's vocabulary, named by draft_model), or "off" (plain decoding).
+    method: "auto" (per sequence and round, the draft head or an n-gram match, whichever is
+    expected to yield more tokens per unit of cost; n-gram alone for a target with no head),
+    "eagle" (a trained EAGLE-3-style draft head: the directory draft_model, or with None the
+    head bundled for the model), "ngram" (prompt lookup over prompt + output), "draft" (a
+    small model sharing the target's vocabulary, named by draft_model), or "off" (plain
+    decoding).
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.
     """
 
-    method: str = "ngram"
+    method: str = "auto"
     num_speculative_tokens: int = 8
     draft_model: str | None = None
     draft_dtype: str | None = None

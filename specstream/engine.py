@@ -23,6 +23,9 @@ from specstream.models import load_model, load_tokenizer, resolve_device, resolv
 from specstream.errors import InvalidRequestError
 from specstream.metrics import EngineMetrics
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
+from specstream.auto_proposer import AutoProposer
+from specstream.draft_head import HeadError
+from specstream.eagle import EagleProposer, load_for_target, resolve_head_dir
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
 from specstream.runner import ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
@@ -78,6 +81,12 @@ class Engine:
             target_cost = self._calibrate(self.runner)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.cost = self._calibrate(self.proposer.runner)
+            elif isinstance(self.proposer, EagleProposer):
+                self.proposer.calibrate()
+            elif isinstance(self.proposer, AutoProposer):
+                if self.proposer.head is not None:
+                    self.proposer.head.calibrate()
+                self.proposer.target_cost = target_cost
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         self.policy = KPolicy(k_max, spec.adaptive, target_cost, self.proposer.pass_cost)
         self.scheduler = Scheduler(config, self.pool, self.policy, self.proposer.release)
@@ -116,6 +125,8 @@ class Engine:
             return NoProposer()
         if spec.method == "ngram":
             return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.method in ("eagle", "auto"):
+            return self._make_head_proposer()
         source = resolve_model(spec.draft_model)
         draft_tokenizer = load_tokenizer(source)
         dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
@@ -129,6 +140,26 @@ class Engine:
             )
         pool = KVPool(*model_geometry(draft.config), self.pool.capacity, self.config.kv_block_size, dtype, self.device)
         return DraftModelProposer(draft, pool)
+
+    def _make_head_proposer(self) -> Proposer:
+        spec = self.config.speculative
+        ngram = NgramProposer(spec.ngram_min, spec.ngram_max)
+        try:
+            head_dir = resolve_head_dir(spec.draft_model, self.config.model)
+        except HeadError as exc:
+            if spec.method == "eagle":
+                raise
+            _log(f"speculation auto: n-gram only ({exc})")
+            return AutoProposer(None, ngram)
+        head = load_for_target(head_dir, self.model, self.config.model, self.dtype, self.device)
+        cfg = head.cfg
+        pool = KVPool(1, cfg.num_key_value_heads, cfg.head_dim, self.pool.capacity, self.config.kv_block_size, self.dtype, self.device)
+        eagle = EagleProposer(head, pool)
+        if spec.method == "eagle":
+            return eagle
+        # The head's held-out first-position acceptance is the best prior for its drafts.
+        accept = (cfg.target.get("report") or {}).get("acceptance_per_position") or [None]
+        return AutoProposer(eagle, ngram, head_prior=accept[0]) if accept[0] else AutoProposer(eagle, ngram)
 
     def _calibrate(self, runner: ModelRunner) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
@@ -241,7 +272,7 @@ class Engine:
             return []
         if any(plan.ks):
             drafts = self.proposer.propose(plan.decodes, plan.ks)
-            drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k]) for d, k in zip(drafts, plan.ks)]
+            drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k], d.method) for d, k in zip(drafts, plan.ks)]
         else:
             drafts = [Draft([]) for _ in plan.decodes]
         items = [ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens)) for s, d in zip(plan.decodes, drafts)]
@@ -251,14 +282,19 @@ class Engine:
             items.append(ForwardItem(seq.block_table, seq.num_cached, seq.token_ids[seq.num_cached : seq.num_cached + n], int(done)))
             if done:
                 completing.append(seq)
-        logits = self.runner.forward(items)
+        aux_layers = self.proposer.aux_layers
+        logits, aux = self.runner.forward(items, aux_layers) if aux_layers else (self.runner.forward(items), None)
+        starts = [item.start for item in items]
         for seq, n in plan.prefills:
             seq.num_cached += n
         rows = logits.split([1 + len(d.tokens) for d in drafts] + [1] * len(completing))
         rounds = [(s, d, r) for s, d, r in zip(plan.decodes, drafts, rows)]
         rounds += [(s, Draft([]), r) for s, r in zip(completing, rows[len(drafts) :])]
+        verdicts = verify_round(rounds)
+        if aux is not None:
+            self._hand_features(plan, items, starts, verdicts, aux)
         outputs = []
-        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verify_round(rounds)):
+        for (seq, draft, rows), (accepted, tokens) in zip(rounds, verdicts):
             try:
                 chunk = self._commit(seq, draft, accepted, tokens, decoding=seq in plan.decodes)
                 if seq.params.logprobs is not None:
@@ -268,6 +304,15 @@ class Engine:
                 outputs.append(self._fail(seq, exc))
         self._update_gauges()
         return outputs
+
+    def _hand_features(self, plan, items: list[ForwardItem], starts: list[int], verdicts, aux: torch.Tensor) -> None:
+        """Give the proposer the target's aux hidden states of the rows that are now final:
+        each decoder's last token and accepted drafts, and every prefill chunk."""
+        rows = aux.split([len(item.tokens) for item in items])
+        for i, seq in enumerate(plan.decodes):
+            self.proposer.observe(seq, starts[i], rows[i][: 1 + verdicts[i][0]])
+        for j, (seq, _) in enumerate(plan.prefills, start=len(plan.decodes)):
+            self.proposer.observe(seq, starts[j], rows[j])
 
     def _update_gauges(self) -> None:
         self.metrics.num_running.set(len(self.scheduler.running))
@@ -303,7 +348,7 @@ class Engine:
         seq.stats.record(len(draft.tokens), accepted)
         if decoding:
             record_round(seq, len(draft.tokens), accepted)
-        self.metrics.record_round(len(draft.tokens), accepted, len(new))
+        self.metrics.record_round(len(draft.tokens), accepted, len(new), draft.method)
         finished = seq.finish_reason is not None
         text = seq.detokenizer.take(final=finished)
         if finished:
