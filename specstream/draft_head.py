@@ -271,15 +271,17 @@ class DraftHead(nn.Module):
         return self.logits(prenorm).float(), prenorm
 
     # ------------------------------------------------------------------ training
-    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, num_steps: int, chain_tokens: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over dense batches.
 
-        aux [B, L, 3H]: the target's features g_t; tokens [B, L]: the sequence x_t. Step j's
-        row t drafts token t + j + 2 from the chain started at t: it reads the previous
-        step's own output at row t and the true token x_{t+j+1} (only chains whose earlier
-        drafts were right matter for acceptance), sits at position t + j, and attends to
-        step 0's rows s <= t plus its own chain's rows at t. Returns the draft logits of each
-        step, [B, L, Vd] (rows past the sequence's end hold garbage; mask them in the loss).
+        aux [B, L, 3H]: the target's features g_t; tokens [B, L]: the text x_t. Step j's row
+        t drafts token t + j + 2 on the chain started at t: it reads the previous step's own
+        output at row t, sits at position t + j, and attends to step 0's rows s <= t plus its
+        own chain's rows at t. Step 0 reads the true next token x_{t+1}; step j >= 1 reads
+        chain_tokens[t + j] (default x_{t+j+1}): the target's own choice there, which is what
+        an accepted draft was (only chains whose earlier drafts were right matter), so text
+        the target did not write greedily still trains the chain. Returns the draft logits of
+        each step, [B, L, Vd] (rows past the sequence's end hold garbage; mask them).
         """
         cfg = self.cfg
         attn = self.midlayer.self_attn
@@ -292,8 +294,9 @@ class DraftHead(nn.Module):
         causal = base[None, :] <= base[:, None]  # [L(query), L(key)]
         keys, values, outs = [], [], []
         padded = F.pad(tokens, (0, num_steps + 1))
+        chain = F.pad(chain_tokens, (0, num_steps + 1)) if chain_tokens is not None else padded[:, 1:]
         for j in range(num_steps):
-            x = self._layer_input(padded[:, j + 1 : j + 1 + length], hidden)
+            x = self._layer_input(padded[:, 1 : 1 + length] if j == 0 else chain[:, j : j + length], hidden)
             cos, sin = self._rope(base + j, x.dtype)
             q = _rotate(attn.q_proj(x).view(b, length, nh, d).transpose(1, 2), cos, sin)
             k = _rotate(attn.k_proj(x).view(b, length, nkv, d).transpose(1, 2), cos, sin)

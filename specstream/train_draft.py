@@ -51,7 +51,7 @@ class TrainConfig:
     tokens: int | None = None  # training token-passes budget (None: time decides)
     resume: bool = False
     num_prompts: int = 1500
-    max_prompt_tokens: int = 96
+    max_prompt_tokens: int = 64
     max_answer_tokens: int = 256
     sampled_fraction: float = 0.2
     sample_temperature: float = 0.7
@@ -62,7 +62,7 @@ class TrainConfig:
     batch_size: int = 8
     lr: float = 3e-4
     heldout_fraction: float = 0.05
-    data_share: float = 0.45  # most of the budget prompts + answers may take
+    data_share: float = 0.6  # most of the budget prompts + answers may take
     dtype: str = "auto"
     threads: int | None = None
     seed: int = 0
@@ -136,7 +136,7 @@ def self_prompts(engine: Engine, cfg: TrainConfig, deadline: float) -> list[str]
     while len(prompts) < cfg.num_prompts and time.perf_counter() < deadline:
         want = int((cfg.num_prompts - len(prompts)) * 1.3) + 8
         params = [
-            SamplingParams(max_tokens=cfg.max_prompt_tokens, temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + round_ * 100_000 + i)
+            SamplingParams(max_tokens=cfg.max_prompt_tokens, temperature=1.0, seed=cfg.seed * 1_000_003 + round_ * 100_000 + i)
             for i in range(want)
         ]
         for seq in _generate(engine, [prefix] * want, params, deadline, "prompts"):
@@ -268,6 +268,7 @@ def draft_vocabulary(data: Dataset, size: int, vocab_size: int) -> tuple[torch.T
 class Batch:
     aux: torch.Tensor  # [B, L, 3H] bf16
     tokens: torch.Tensor  # [B, L]
+    chain: torch.Tensor  # [B, L]: the target's argmax at each position (the token it would emit next)
     labels: torch.Tensor  # [B, L + steps]: draft index of the target's argmax, -1 where not trained
     valid_until: torch.Tensor  # [B]: sequence length
 
@@ -280,17 +281,19 @@ def make_batch(data: Dataset, idx: list[int], t2d_index: torch.Tensor, steps: in
     width = data.features.shape[1]
     aux = torch.zeros((len(idx), length, width), dtype=torch.int16)
     tokens = torch.zeros((len(idx), length), dtype=torch.long)
+    chain = torch.zeros((len(idx), length), dtype=torch.long)
     labels = torch.full((len(idx), length + steps + 1), -1, dtype=torch.long)
     for b, s in enumerate(idx):
         lo, hi = int(data.offsets[s]), int(data.offsets[s + 1])
         n = hi - lo
         aux[b, :n] = torch.from_numpy(np.asarray(data.features[lo:hi]).view(np.int16))
         tokens[b, :n] = torch.from_numpy(data.tokens[lo:hi].astype(np.int64))
+        chain[b, :n] = torch.from_numpy(data.labels[lo:hi].astype(np.int64))
         lab = t2d_index[torch.from_numpy(data.labels[lo:hi].astype(np.int64))]
         start = max(int(data.prompt_lens[s]) - 1, 0)
         labels[b, start:n] = lab[start:]
     lens = torch.tensor([int(data.offsets[s + 1] - data.offsets[s]) for s in idx])
-    return Batch(aux.view(torch.bfloat16), tokens, labels, lens)
+    return Batch(aux.view(torch.bfloat16), tokens, chain, labels, lens)
 
 
 def step_targets(batch: Batch, j: int) -> torch.Tensor:
@@ -300,7 +303,7 @@ def step_targets(batch: Batch, j: int) -> torch.Tensor:
 
 
 def ttt_loss(head: DraftHead, batch: Batch, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
-    outs = head.unroll(batch.aux, batch.tokens, steps)
+    outs = head.unroll(batch.aux, batch.tokens, steps, batch.chain)
     total, accs, weight_sum = 0.0, [], 0.0
     for j, logits in enumerate(outs):
         target = step_targets(batch, j)
@@ -328,7 +331,7 @@ def evaluate(head: DraftHead, data: Dataset, idx: list[int], t2d_index: torch.Te
         part = idx[k : k + batch_size]
         batch = make_batch(data, part, t2d_index, steps)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            outs = head.unroll(batch.aux, batch.tokens, steps)
+            outs = head.unroll(batch.aux, batch.tokens, steps, batch.chain)
         # Row t drafts tokens t + 2 .. t + steps + 1: chains whose first draft is an answer
         # token and whose last is still inside the sequence. A label outside the draft
         # vocabulary (-1 there) can never be drafted: it counts as a miss.
