@@ -286,7 +286,7 @@ def make_batch(data: Dataset, idx: list[int], t2d_index: torch.Tensor, steps: in
     for b, s in enumerate(idx):
         lo, hi = int(data.offsets[s]), int(data.offsets[s + 1])
         n = hi - lo
-        aux[b, :n] = torch.from_numpy(np.asarray(data.features[lo:hi]).view(np.int16))
+        aux[b, :n] = torch.from_numpy(np.array(data.features[lo:hi]).view(np.int16))
         tokens[b, :n] = torch.from_numpy(data.tokens[lo:hi].astype(np.int64))
         chain[b, :n] = torch.from_numpy(data.labels[lo:hi].astype(np.int64))
         lab = t2d_index[torch.from_numpy(data.labels[lo:hi].astype(np.int64))]
@@ -409,7 +409,7 @@ def train_head(head: DraftHead, data: Dataset, train_idx: list[int], cfg: TrainC
             rate = state["token_passes"] / state["seconds"]
             logger.info(
                 "train: step %d, epoch %d, loss %.3f, step accuracy %s, %.0f token-passes/s, lr %.2e, ETA %s",
-                state["step"], state["epoch"], float(loss), [round(a, 3) for a in accs], rate, _lr(cfg, progress),
+                state["step"], state["epoch"], float(loss.detach()), [round(a, 3) for a in accs], rate, _lr(cfg, progress),
                 _fmt(time_budget * (1 - progress)),
             )  # fmt: skip
         if time.perf_counter() - last_ckpt > cfg.checkpoint_seconds:
