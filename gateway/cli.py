@@ -69,14 +69,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from specstream import ModelError, resolve_model
+    from specstream import ModelError, check_draft_head, resolve_model
 
     try:
         # Fail fast on a bad name (and convert the bundled model) before the server starts.
         resolve_model(args.model)
-        if args.draft_model:
+        if args.speculative_method in ("eagle", "auto"):
+            # A draft head for another target fails here, naming both.
+            check_draft_head(args.model, args.draft_model, args.speculative_method)
+        elif args.draft_model:
             resolve_model(args.draft_model)
-    except ModelError as exc:
+    except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("specstream.gateway").info(
@@ -174,7 +177,7 @@ def _add_train_draft(sub) -> None:
 def _train_draft(args: argparse.Namespace) -> int:
     import json
 
-    from specstream.train_draft import TrainConfig, train_draft
+    from specstream import TrainConfig, train_draft
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cfg = TrainConfig(

@@ -66,6 +66,21 @@ def load_for_target(head_dir: Path, target, target_name: str, dtype: torch.dtype
     return load_head(head_dir, target.get_input_embeddings().weight, dtype, device)
 
 
+def check_draft_head(model: str, draft_model: str | None, method: str = "eagle") -> None:
+    """Raise HeadError (a ValueError) unless the head that `method` would use fits the model:
+    cheap (reads two config files), so a server can check before it starts. With "auto", a
+    model with no head is fine (n-gram alone)."""
+    from transformers import AutoConfig
+
+    from specstream.models import resolve_model
+
+    if method == "auto" and not draft_model and bundled_head_dir(model) is None:
+        return
+    head = resolve_head_dir(draft_model, model)
+    source = resolve_model(model)
+    check_fits(read_config(head), AutoConfig.from_pretrained(source.path, **source.kwargs), str(head), model)
+
+
 @dataclass
 class _HeadState:
     table: list[int] = field(default_factory=list)
@@ -208,4 +223,3 @@ class EagleProposer(Proposer):
                 self.pool.free(t)
 
 
-__all__ = ["EagleProposer", "HeadError", "bundled_head_dir", "load_for_target", "resolve_head_dir"]
