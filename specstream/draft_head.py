@@ -23,8 +23,7 @@ and ``t2d``. The embedding is the target's (not stored: the loaders share it).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -423,10 +422,3 @@ def load_head(directory: str | Path, embed: torch.Tensor, dtype: torch.dtype, de
     head.load_state_dict({n: tensors[n] for n in expected}, strict=True)
     return head.to(device=device, dtype=dtype).eval()
 
-
-def num_parameters(head: DraftHead) -> int:
-    return sum(math.prod(p.shape) for p in head.parameters())
-
-
-def describe(cfg: HeadConfig) -> dict:
-    return asdict(cfg)

@@ -131,10 +131,8 @@ class EagleProposer(Proposer):
             if not still:
                 break
             active, hidden = [active[j] for j in still], hidden[still]
-            items = []
-            for i in active:
-                seq, state = seqs[i], self._state[seqs[i].request_id]
-                items.append(ForwardItem(state.table, state.fed + step - 1, [drafts[i].tokens[-1]], 1))
+            states = [self._state[seqs[i].request_id] for i in active]
+            items = [ForwardItem(st.table, st.fed + step - 1, [drafts[i].tokens[-1]], 1) for i, st in zip(active, states)]
             logits, hidden = self._step(items, hidden)
         for s in seqs:
             state = self._state.get(s.request_id)

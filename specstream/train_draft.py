@@ -509,7 +509,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         "aux_layers": list(head_cfg.aux_layers),
         "sequences": len(data),
         "heldout_sequences": len(heldout),
-        "dataset_tokens": int(len(data.tokens)),
+        "dataset_tokens": len(data.tokens),
         "answer_tokens": num_answer,
         "train_steps": state["step"],
         "token_passes": state["token_passes"],

@@ -8,11 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from safetensors.torch import load_file
 
-from conftest import build_tiny_model
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.draft_head import ARCHITECTURE, HeadError, load_head, read_config, save_head, weight_names
+from specstream.draft_head import (
+    ARCHITECTURE,
+    HeadError,
+    load_head,
+    read_config,
+    save_head,
+    weight_names,
+)
 from specstream.eagle import EagleProposer
 from specstream.runner import ForwardItem
 from specstream.sequence import Sequence
@@ -272,3 +279,21 @@ def test_train_draft_cli_rejects_a_bad_prompts_file(tmp_path, target_dir, capsys
     bad.write_text('{"nothing": 1}\n')
     assert main(["train-draft", "--model", str(target_dir), "--out", str(tmp_path / "h"), "--prompts", str(bad), "--minutes", "0.1"]) == 2
     assert "expected a string or a list of chat messages" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the bundled head
+def test_default_model_serves_auto_with_its_bundled_head_greedy_identical_to_plain(default_model_source):
+    """fp32, so batched verification cannot flip near-ties: the head changes nothing but speed."""
+    prompts = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off")), log=False)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert EngineConfig().speculative.method == "auto"
+    auto = Engine(EngineConfig(dtype="float32"), log=False)
+    assert auto.proposer.head is not None and auto.proposer.head.head.cfg.target["name"] == "smollm2-135m"
+    eagle = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=4, adaptive=False)), log=False)
+    batched = eagle.generate(prompts, params)
+    assert [o.token_ids for o in batched] == expected
+    assert [eagle.generate(p, params)[0].token_ids for p in prompts] == expected
+    assert sum(o.stats.accepted for o in batched) > 0
+    assert [o.token_ids for o in auto.generate(prompts, params)] == expected
