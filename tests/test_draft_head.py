@@ -199,6 +199,14 @@ def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):
     assert engine.proposer.pool.num_free_blocks == engine.proposer.pool.num_blocks and not engine.proposer._state
 
 
+def test_chunked_prefill_hands_the_head_its_features_chunk_by_chunk(trained, target_dir, chats):
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), chats[:3])]
+    engine = engine_for(target_dir, "eagle", trained[0], max_num_batched_tokens=8)
+    assert all(len(engine.encode_prompt(c)) > 8 for c in chats[:3])  # every prompt takes several steps
+    outs = greedy(engine, chats[:3])
+    assert [o.token_ids for o in outs] == plain and sum(o.stats.accepted for o in outs) > 0
+
+
 def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_dir):
     """One speculative round over many seeds: the first emitted token must follow the
     target's p exactly, including tokens outside the head's reduced vocabulary (q = 0)."""
