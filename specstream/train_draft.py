@@ -100,8 +100,8 @@ def _fmt(seconds: float) -> str:
 
 # ---------------------------------------------------------------------- generation
 def _generate(engine: Engine, prompts: list, params: list[SamplingParams], deadline: float, label: str):
-    """Run prompts through the engine until done or the deadline; return the finished
-    sequences (unfinished ones are aborted)."""
+    """Run prompts through the engine until done or the deadline; return every sequence that
+    produced output (those cut off by the deadline are aborted, their output kept)."""
     seqs: list[Sequence] = []
     for prompt, p in zip(prompts, params):
         seq = engine.prepare(prompt, p)
@@ -114,11 +114,12 @@ def _generate(engine: Engine, prompts: list, params: list[SamplingParams], deadl
         if time.perf_counter() - last > 15:
             last = time.perf_counter()
             _progress(label, sum(s.num_output_tokens for s in seqs), total, started, "tokens")
+    # At the deadline, a half-written answer is still the target's own text: keep it.
+    done = [s for s in seqs if s.finish_reason in ("stop", "length") or (not s.is_finished and s.num_output_tokens)]
     for s in seqs:
         if not s.is_finished:
             engine.abort(s.request_id)
-    done = [s for s in seqs if s.finish_reason in ("stop", "length")]
-    logger.info("%s: %d of %d finished, %d tokens in %.0f s", label, len(done), len(seqs), sum(s.num_output_tokens for s in done), time.perf_counter() - started)
+    logger.info("%s: %d of %d kept, %d tokens in %.0f s", label, len(done), len(seqs), sum(s.num_output_tokens for s in done), time.perf_counter() - started)
     return done
 
 
