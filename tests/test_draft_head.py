@@ -289,19 +289,37 @@ def test_train_draft_cli_rejects_a_bad_prompts_file(tmp_path, target_dir, capsys
     assert "expected a string or a list of chat messages" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------- the bundled head
-def test_default_model_serves_auto_with_its_bundled_head_greedy_identical_to_plain(default_model_source):
-    """fp32, so batched verification cannot flip near-ties: the head changes nothing but speed."""
+# ---------------------------------------------------------------------- the default model
+def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_model_source, tmp_path):
+    """fp32, so batched verification cannot flip near-ties: a head (here an untrained one in
+    the default model's geometry: 3 aux layers of 30, 8k draft vocabulary) changes nothing
+    but speed, alone and batched."""
+    from specstream.draft_head import DraftHead, HeadConfig
+
     prompts = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")]
-    params = SamplingParams(max_tokens=32, temperature=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
     plain = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off")), log=False)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
-    assert EngineConfig().speculative.method == "auto"
-    auto = Engine(EngineConfig(dtype="float32"), log=False)
-    assert auto.proposer.head is not None and auto.proposer.head.head.cfg.target["name"] == "smollm2-135m"
-    eagle = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=4, adaptive=False)), log=False)
+    cfg = HeadConfig.for_target(plain.model.config, 8192)
+    assert cfg.aux_layers == (2, 15, 27)
+    head = DraftHead(cfg, plain.model.get_input_embeddings().weight)
+    head.set_vocabulary(torch.arange(8192) * 6)
+    head.init_from_target(plain.model.model.norm.weight, plain.model.lm_head.weight)
+    head_dir = save_head(head, tmp_path / "head")
+    assert (head_dir / "model.safetensors").stat().st_size <= 20 * 10**6  # fits the bundled-head budget
+    spec = SpeculativeConfig(method="eagle", draft_model=str(head_dir), num_speculative_tokens=4, adaptive=False)
+    eagle = Engine(EngineConfig(dtype="float32", speculative=spec), log=False)
     batched = eagle.generate(prompts, params)
-    assert [o.token_ids for o in batched] == expected
+    assert [o.token_ids for o in batched] == expected and all(o.stats.drafted > 0 for o in batched)
     assert [eagle.generate(p, params)[0].token_ids for p in prompts] == expected
-    assert sum(o.stats.accepted for o in batched) > 0
-    assert [o.token_ids for o in auto.generate(prompts, params)] == expected
+
+
+def test_auto_is_the_default_and_runs_ngram_alone_while_no_head_is_bundled(default_model_source):
+    from specstream.eagle import bundled_head_dir
+
+    assert EngineConfig().speculative.method == "auto"
+    if bundled_head_dir("smollm2-135m") is None:
+        with pytest.raises(HeadError, match="specstream train-draft --model smollm2-135m"):
+            Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle")), log=False)
+    auto = Engine(EngineConfig(dtype="float32"), log=False)
+    assert (auto.proposer.head is not None) == (bundled_head_dir("smollm2-135m") is not None)
