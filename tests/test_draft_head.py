@@ -24,7 +24,7 @@ from specstream.eagle import EagleProposer
 from specstream.runner import ForwardItem
 from specstream.sequence import Sequence
 from specstream.train_draft import TrainConfig, train_draft, user_turn_prefix
-from specstream.verify import verify_round
+from specstream.verify import Round, verify_round
 
 RAW_PROMPTS = ["hello there", "what is the capital", "tell me a story", "def add(a, b):", "Paris is", "quick brown"]
 
@@ -263,7 +263,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_di
     target's p exactly, including tokens outside the head's reduced vocabulary (q = 0)."""
     engine = engine_for(target_dir, "eagle", trained[0])
     proposer = engine.proposer
-    prompt = engine.encode_prompt(RAW_PROMPTS[0])
+    prompt = engine.processor.encode(RAW_PROMPTS[0])
     n, k = 3000, 2
     seqs = [Sequence(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i), arrival=i) for i in range(n)]
     table: list[int] = []
@@ -283,8 +283,8 @@ def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_di
     ids = torch.tensor([prompt[:-1] + [prompt[-1]] + d.tokens for d in drafts])
     with torch.no_grad():
         rows = model(ids).logits[:, len(prompt) - 1 :].float()
-    verdicts = verify_round([(s, d, r) for s, d, r in zip(seqs, drafts, rows)])
-    first = torch.tensor([tokens[0] for _, tokens in verdicts])
+    verdicts = verify_round([Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)])
+    first = torch.tensor([result.tokens[0] for result in verdicts])
     empirical = torch.bincount(first, minlength=p.shape[0]).float() / n
     tv = 0.5 * float((empirical - p).abs().sum())
     # Total variation of n samples from p itself is about sqrt(V / (2 pi n)) ~ 0.14 at V=384.
