@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
     from gateway.settings import GatewaySettings
-    from specstream import AsyncEngine
+    from specstream import AsyncEngine, EngineConfig
 
 
 def _env(name: str, default=None):
@@ -30,9 +30,18 @@ def _add_serve(sub) -> None:
         default=_env("served_model_name"),
         help="the name clients send as 'model' (default: --model)",
     )
-    a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
+    a(
+        "--speculative-method",
+        default=_env("speculative_method", "ngram"),
+        choices=["ngram", "auto", "eagle", "draft", "off"],
+    )
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
-    a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
+    a(
+        "--draft-model",
+        default=_env("draft_model"),
+        help="draft model (method draft) or draft-head directory (eagle, auto; default: the bundled head)",
+    )
+    a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
@@ -53,6 +62,19 @@ def _add_serve(sub) -> None:
         default=_env("no_prefix_caching", "") in ("1", "true"),
         help="recompute every prompt instead of reusing the KV of earlier requests' shared prefixes",
     )
+    a(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        default=_env("allow_special_tokens_in_content", "") in ("1", "true"),
+        help="let chat message text that spells a special token become that token (off: it stays text)",
+    )
+    a(
+        "--max-prompt-chars",
+        type=int,
+        default=int(_env("max_prompt_chars", "0")) or None,
+        help="characters a prompt may have before it is tokenized (default: 32 per token of context)",
+    )
+    a("--seed", type=int, default=int(_env("seed", "0")), help="seeds the draws for requests that bring no seed")
     a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
@@ -62,28 +84,39 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_serve)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration `specstream serve` flags describe."""
+    from specstream import EngineConfig, SpeculativeConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        chat_template=args.chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        max_prompt_chars=args.max_prompt_chars,
+        seed=args.seed,
+        speculative=SpeculativeConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+        ),
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway.settings import GatewaySettings
-    from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+    from specstream import AsyncEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = args.api_key or [k.strip() for k in (_env("api_keys") or "").split(",") if k.strip()]
     try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_tokens=args.kv_cache_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            speculative=SpeculativeConfig(
-                method=args.speculative_method,
-                num_speculative_tokens=args.num_speculative_tokens,
-                draft_model=args.draft_model,
-            ),
-        )
+        config = engine_config(args)
         settings = GatewaySettings(
             served_model_name=args.served_model_name,
             api_keys=tuple(keys),
@@ -94,14 +127,20 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from specstream import ModelError, resolve_model
+    from specstream import ModelError, check_draft_head, resolve_model
+    from specstream.models import read_chat_template
 
     try:
-        # Fail fast on a bad name (and convert the bundled model) before the server starts.
+        # Fail fast on a bad name or template (and convert the bundled model) before the server starts.
         resolve_model(args.model)
-        if args.draft_model:
+        if args.chat_template:
+            read_chat_template(args.chat_template)
+        if args.speculative_method in ("eagle", "auto"):
+            # A draft head for another target fails here, naming both.
+            check_draft_head(args.model, args.draft_model, args.speculative_method)
+        elif args.draft_model:
             resolve_model(args.draft_model)
-    except ModelError as exc:
+    except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("specstream.gateway").info(
@@ -204,12 +243,72 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0 if all(run["summary"]["errors"] == 0 for run in report["runs"]) else 1
 
 
+def _add_train_draft(sub) -> None:
+    p = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a model (CPU, no downloads)")
+    p.add_argument(
+        "--model", default=_env("model", "smollm2-135m"), help="target: bundled alias, HF directory or .gguf path"
+    )
+    p.add_argument("--out", required=True, help="directory for the head (EAGLE-3 format), report.json and work/")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of prompts (strings or chat messages); default: the target writes its own",
+    )
+    p.add_argument("--minutes", type=float, default=45.0, help="wall-clock budget of the whole run")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="budget of training token-passes (default: --minutes decides)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from DIR/work (data and checkpoint)")
+    p.add_argument("--num-prompts", type=int, default=1500)
+    p.add_argument("--max-answer-tokens", type=int, default=256)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_train_draft)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    import json
+
+    from specstream import TrainConfig, train_draft
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = TrainConfig(
+        model=args.model,
+        out=args.out,
+        prompts=args.prompts,
+        minutes=args.minutes,
+        tokens=args.tokens,
+        resume=args.resume,
+        num_prompts=args.num_prompts,
+        max_answer_tokens=args.max_answer_tokens,
+        draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    try:
+        report = train_draft(cfg)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    print(f"head written to {args.out} (serve it with --speculative-method eagle --draft-model {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_chat(sub)
     _add_bench(sub)
+    _add_train_draft(sub)
     return parser
 
 

@@ -4,23 +4,47 @@ specstream registers an attention function with transformers' AttentionInterface
 are loaded with ``attn_implementation="specstream_packed"`` and called on a packed batch
 ([1, total_new_tokens]) with per-token position_ids and no cache object. For each layer the
 function writes the new keys/values into the KV pool, gathers every sequence's cached
-prefix, and attends under a block-diagonal causal mask that the runner built once for the
-step and published in a thread-local StepContext.
+prefix, and attends under a block-diagonal causal mask built once per step (and once per
+sliding-window size) and published in a thread-local StepContext.
+
+Everything transformers' attention call carries is honoured: ``scaling``, a per-layer
+``sliding_window`` (a query at position p sees keys in (p - window, p], and only those are
+gathered), ``softcap`` (tanh soft-capping of the logits, Gemma 2) and ``s_aux`` (per-head
+attention sinks, gpt-oss). Soft-capping and sinks cannot go through SDPA, so those layers
+compute attention explicitly. Any other argument that could change the result is refused
+with UnsupportedAttentionError, which the runner's load-time probe turns into a refusal to
+load the model.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specstream.kv import KVPool
+from specstream.models import ModelError
 
 ATTN_IMPLEMENTATION = "specstream_packed"
+# Arguments transformers passes that do not change what attention computes here.
+_INERT_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position"})
+
+
+class UnsupportedAttentionError(ModelError):
+    """The model asks its attention for something specstream does not implement."""
+
+
+@dataclass
+class KeyView:
+    """The keys one kind of layer attends to in this step: all of each sequence's cache, or
+    for a sliding-window layer only the last window of it."""
+
+    kv_index: torch.Tensor  # [B, S]: pool slots (columns past a sequence's keys are masked)
+    mask: torch.Tensor | None  # [B, 1, T_max, S] bool, True where allowed; None: all allowed
 
 
 @dataclass
@@ -34,7 +58,40 @@ class StepContext:
     kv_index: torch.Tensor  # [B, S_max]: pool slots of each sequence's keys (padding: slot 0, masked)
     q_index: torch.Tensor  # [B, T_max]: packed row of each sequence's queries (padding: row 0)
     out_index: torch.Tensor  # [T]: row of each packed token in the flattened [B * T_max] output
-    mask: torch.Tensor | None  # [B, 1, T_max, S_max] bool, True where allowed; None: all allowed
+    q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
+    views: dict[int | None, KeyView] = field(default_factory=dict)  # by window, built on first use
+
+    def key_view(self, window: int | None) -> KeyView:
+        view = self.views.get(window)
+        if view is None:
+            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window)
+        return view
+
+
+def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> KeyView:
+    """Causal (and, with a window, sliding-window) key selection for a step.
+
+    Key s is visible to the query at position p when s <= p (and s > p - window). Padding
+    keys lie past every real query of their row; padding query rows (output dropped) still
+    see at least one key, so no row is empty and none yields NaN."""
+    batch, s_max = kv_index.shape
+    t_max = q_pos.shape[1]
+    if window is None or window >= s_max:
+        first = torch.zeros(batch, dtype=torch.long, device=kv_index.device)
+        width, index = s_max, kv_index
+    else:
+        # Only keys from the first query's window on: at most window - 1 + T_max per sequence.
+        first = (q_pos[:, 0] - window + 1).clamp(min=0)
+        width = min(s_max, window - 1 + t_max)
+        cols = first[:, None] + torch.arange(width, device=kv_index.device)
+        index = kv_index.gather(1, cols.clamp(max=s_max - 1))
+    if batch == 1 and t_max == 1:
+        return KeyView(index, None)  # one query sees every selected key: SDPA takes its fast path
+    key_pos = (first[:, None] + torch.arange(width, device=kv_index.device))[:, None, :]  # [B, 1, S]
+    mask = key_pos <= q_pos[:, :, None]
+    if window is not None:
+        mask &= key_pos > q_pos[:, :, None] - window
+    return KeyView(index, mask[:, None])
 
 
 _local = threading.local()
@@ -50,22 +107,67 @@ def step_context(ctx: StepContext):
         _local.ctx = previous
 
 
-def attend(ctx: StepContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def attend(
+    ctx: StepContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
-    ([1, heads, T, d]) to each sequence's cached prefix. Returns [1, heads, T, d]."""
+    ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
+    sliding-window layer). Returns [1, heads, T, d]."""
     keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
     keys.index_copy_(0, ctx.slot_mapping, key)
     values.index_copy_(0, ctx.slot_mapping, value)
-    batch, s_max = ctx.kv_index.shape
+    view = ctx.key_view(window)
+    batch, s = view.kv_index.shape
     t_max = ctx.q_index.shape[1]
-    flat = ctx.kv_index.reshape(-1)
-    k = keys.index_select(0, flat).view(batch, s_max, *keys.shape[1:]).transpose(1, 2)  # [B, kv_heads, S_max, d]
-    v = values.index_select(0, flat).view(batch, s_max, *values.shape[1:]).transpose(1, 2)
+    flat = view.kv_index.reshape(-1)
+    k = keys.index_select(0, flat).view(batch, s, *keys.shape[1:]).transpose(1, 2)  # [B, kv_heads, S, d]
+    v = values.index_select(0, flat).view(batch, s, *values.shape[1:]).transpose(1, 2)
     heads, _, d = query.shape[1:]
     q = query[0].index_select(1, ctx.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scaling, enable_gqa=heads != k.shape[1])
+    if softcap is None and sinks is None:
+        gqa = heads != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=scaling, enable_gqa=gqa)
+    else:
+        out = explicit_attention(q, k, v, view.mask, scaling, softcap, sinks)
     out = out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, ctx.out_index)
     return out.unsqueeze(0)
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with what SDPA cannot express: logits soft-capped as softcap * tanh(x / softcap)
+    before masking, and a per-head sink logit that joins the softmax's denominator but
+    carries no value. q: [B, heads, T, d]; k, v: [B, kv_heads, S, d]; returns [B, heads, T, d]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def current_context() -> StepContext:
@@ -75,11 +177,39 @@ def current_context() -> StepContext:
     return ctx
 
 
-def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask=None,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """transformers' attention hook: [1, heads, T, d] tensors in, [1, T, heads, d] out."""
+    check_attention_arguments(module, dropout, kwargs)
     # [1, kv_heads, T, d] -> [T, kv_heads, d]
-    out = attend(current_context(), module.layer_idx, query, key[0].transpose(0, 1), value[0].transpose(0, 1), scaling)
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    out = attend(current_context(), module.layer_idx, query, key, value, scaling, sliding_window, softcap, s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_attention_arguments(module, dropout: float, kwargs: dict) -> None:
+    """Refuse what this function does not implement rather than attend wrongly."""
+    unknown = sorted(set(kwargs) - _INERT_KWARGS - {"is_causal"})
+    if unknown:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} passes attention argument(s) {', '.join(unknown)}, "
+            "which specstream's packed attention does not implement"
+        )
+    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedAttentionError(f"{type(module).__name__} uses bidirectional (non-causal) attention")
+    if dropout:
+        raise UnsupportedAttentionError(f"{type(module).__name__} asks for attention dropout {dropout}")
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)

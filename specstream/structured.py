@@ -276,7 +276,8 @@ class StructuredDecoding:
             else:
                 tokens, probs = draft.tokens, draft.probs
             n = constraint.valid_prefix(tokens)
-            out.append(Draft(tokens[:n], None if probs is None else probs[:n], num_forced=min(len(forced), n)))
+            cut = None if probs is None else probs[:n]
+            out.append(Draft(tokens[:n], cut, method=draft.method, num_forced=min(len(forced), n)))
         return out
 
     # ---------------------------------------------------------------------- masks

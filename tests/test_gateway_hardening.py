@@ -412,3 +412,24 @@ def test_a_huge_declared_content_length_is_413_before_reading(server):
 )
 def test_wrong_methods_are_405_in_openais_shape(server, method, path):
     assert_openai_error(httpx.request(method, f"{server.url}{path}"), 405)
+
+
+def test_serve_flags_reach_the_engine_config():
+    from gateway.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--allow-special-tokens-in-content",
+            "--max-prompt-chars",
+            "1000",
+            "--seed",
+            "7",
+            "--no-prefix-caching",
+        ]
+    )
+    config = engine_config(args)
+    assert config.allow_special_tokens_in_content and config.max_prompt_chars == 1000 and config.seed == 7
+    assert not config.enable_prefix_caching
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    assert not defaults.allow_special_tokens_in_content and defaults.max_prompt_chars is None

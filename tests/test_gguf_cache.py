@@ -1,0 +1,70 @@
+"""Any GGUF file gets a conversion cache keyed by its content: converted once, found again
+from a copy, converted anew when its content changes, and hashed only when it is new or changed.
+
+The dequantization itself (models._convert) is the one the bundled model goes through and is
+replaced here by a recorder, so these tests measure the cache's keying, not transformers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specstream import models
+from specstream.models import ModelSource, converted_source, resolve_model
+
+
+@pytest.fixture
+def conversions(tmp_path, monkeypatch) -> list[Path]:
+    monkeypatch.setenv("SPECSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    done: list[Path] = []
+
+    def record(gguf: Path, target: Path, origin: str) -> None:
+        done.append(gguf)
+        target.mkdir(parents=True)
+        (target / ".complete").write_text(origin)
+
+    monkeypatch.setattr(models, "_convert", record)
+    return done
+
+
+def gguf_file(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF" + content)
+    return path
+
+
+def test_a_gguf_file_is_converted_once_and_then_read_from_its_cache(tmp_path, conversions, caplog):
+    caplog.set_level(logging.INFO, logger="specstream.models")
+    source = resolve_model(str(gguf_file(tmp_path / "a" / "m.gguf", b"weights" * 1000)))
+    first, second = converted_source(source), converted_source(source)
+    assert conversions == [tmp_path / "a" / "m.gguf"]
+    assert first == second == ModelSource(source.name, first.path)
+    assert Path(first.path).parent == tmp_path / "cache" / "models" and (Path(first.path) / ".complete").is_file()
+    assert caplog.text.count("hashing m.gguf") == 1  # the second start only stats the file
+
+
+def test_a_copy_with_the_same_content_shares_the_cache(tmp_path, conversions):
+    original = gguf_file(tmp_path / "a" / "m.gguf", b"weights" * 1000)
+    copy = tmp_path / "b" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copy(original, copy)
+    assert converted_source(resolve_model(str(original))).path == converted_source(resolve_model(str(copy))).path
+    assert len(conversions) == 1
+
+
+def test_changed_content_gets_a_new_cache(tmp_path, conversions):
+    path = gguf_file(tmp_path / "m.gguf", b"weights" * 1000)
+    before = converted_source(resolve_model(str(path))).path
+    gguf_file(path, b"other weights" * 1000)
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse-clock file systems
+    after = converted_source(resolve_model(str(path))).path
+    assert before != after and len(conversions) == 2
+
+
+def test_non_gguf_sources_are_loaded_as_they_are(tiny_model_dir, conversions):
+    source = resolve_model(str(tiny_model_dir))
+    assert converted_source(source) is source and not conversions
