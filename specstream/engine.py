@@ -14,12 +14,13 @@ import uuid
 
 import torch
 
+from specstream import fast_llama, quant
 from specstream.adaptive_k import CostModel, KPolicy, record_round
 from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.config import EngineConfig
 from specstream.detok import IncrementalDetokenizer
 from specstream.kv import KVPool
-from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+from specstream.models import gguf_file, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from specstream.errors import InvalidRequestError
 from specstream.metrics import EngineMetrics
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
@@ -71,7 +72,7 @@ class Engine:
         self.max_model_len = config.max_model_len or min(limit, self.pool.capacity)
         if self.max_model_len > self.pool.capacity:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner, weights = self._make_runner(source)
         self.proposer = self._make_proposer()
         target_cost = None
         if spec.enabled and spec.adaptive:
@@ -87,7 +88,8 @@ class Engine:
         if log:
             _log(
                 f"engine ready in {time.perf_counter() - start:.1f} s: {config.model} ({self.dtype}, {self.device}), "
-                f"speculation {spec.method} k<={k_max}, KV pool {self.pool.capacity} tokens"
+                f"speculation {spec.method} k<={k_max}, KV pool {self.pool.capacity} tokens; weights {weights}; "
+                f"resident memory {quant.resident_bytes() / 2**20:.0f} MiB"
             )
 
     # ----------------------------------------------------------------- set-up helpers
@@ -109,6 +111,21 @@ class Engine:
         if limit:
             tokens = min(tokens, limit * self.config.max_num_seqs)
         return max(tokens, self.config.kv_block_size)
+
+    def _make_runner(self, source) -> tuple[ModelRunner, str]:
+        """The target's runner with its projections held as config.quantization says (quant.py), and
+        a line for the log."""
+        mode = self.config.quantization
+        if not fast_llama.supports(self.model):
+            if mode in ("int4", "int8"):
+                raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
+            return ModelRunner(self.model, self.pool), "dense"
+        factory = quant.make_factory(mode, self.model, gguf_file(source), self.dtype, self.device)
+        if factory is None:
+            return ModelRunner(self.model, self.pool), "dense"
+        runner = ModelRunner(self.model, self.pool, linear=factory)
+        choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens)
+        return runner, quant.describe(factory, choices)
 
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative
