@@ -24,6 +24,8 @@ def _add_serve(sub) -> None:
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
+    a("--quantization", default=_env("quantization", "auto"), choices=["auto", "none", "int8", "int4"],
+      help="weights of the projections: auto = the model file's own 4-bit blocks where it has them")
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
     a("--port", type=int, default=int(_env("port", "8000")))
@@ -57,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             kv_cache_tokens=args.kv_cache_tokens,
+            quantization=args.quantization,
             speculative=SpeculativeConfig(
                 method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,

@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,14 +346,17 @@ class KernelChoice:
     keeps_dense: bool
 
 
-def _time(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
+def _faster_packed(lin: Linear, x: torch.Tensor, repeats: int = 9) -> bool:
+    """Whether the packed kernel beats the dense GEMM on x: the fastest of interleaved runs, since noise
+    from other processes only ever adds time, and interleaving spreads it over both alike."""
+    lin.packed(x), F.linear(x, lin.dense)
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        for i, fn in enumerate((lin.packed, lambda v: F.linear(v, lin.dense))):
+            start = time.perf_counter()
+            fn(x)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] <= best[1]
 
 
 def _free_memory(device: torch.device) -> int:
@@ -366,7 +368,9 @@ def _free_memory(device: torch.device) -> int:
         return 0
 
 
-def choose_kernels(linears: list[Linear], max_rows: int, dtype: torch.dtype, device: torch.device) -> list[KernelChoice]:
+def choose_kernels(
+    linears: list[Linear], max_rows: int, dtype: torch.dtype, device: torch.device
+) -> list[KernelChoice]:
     """For each weight shape, time the packed kernel against the dense GEMM at growing row counts (the
     fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins.
     A dense copy is dropped where it never wins or does not fit in memory."""
@@ -378,11 +382,9 @@ def choose_kernels(linears: list[Linear], max_rows: int, dtype: torch.dtype, dev
     budget = _free_memory(device) * _DENSE_MEMORY_SHARE
     choices = []
     for shape, group in sorted(by_shape.items(), key=lambda item: -len(item[1]) * item[0][0] * item[0][1]):
-        sample = group[0]
         limit = 0
         for rows in probes:
-            x = torch.randn(rows, shape[1], dtype=dtype, device=device)
-            if _time(lambda: sample.packed(x)) > _time(lambda: F.linear(x, sample.dense)):
+            if not _faster_packed(group[0], torch.randn(rows, shape[1], dtype=dtype, device=device)):
                 break
             limit = rows
         dense_bytes = sum(lin.dense.nbytes for lin in group)

@@ -93,7 +93,8 @@ def test_unknown_quantization_is_refused():
 
 def engine(model, method="off", quantization="int4", k=5):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=False)
-    return Engine(EngineConfig(model=str(model), dtype="float32", speculative=spec, quantization=quantization), log=False)
+    config = EngineConfig(model=str(model), dtype="float32", speculative=spec, quantization=quantization)
+    return Engine(config, log=False)
 
 
 @pytest.mark.parametrize("kernels", ["measured", "packed for every step"])
@@ -134,7 +135,8 @@ def test_default_model_int4_greedy_speculative_equals_plain_batched():
     params = SamplingParams(max_tokens=24, temperature=0)
     config = dict(dtype="float32", quantization="int4")
     plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
-    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(num_speculative_tokens=6, adaptive=False)), log=False)
+    ngram = SpeculativeConfig(num_speculative_tokens=6, adaptive=False)
+    spec = Engine(EngineConfig(**config, speculative=ngram), log=False)
     want = [plain.generate(p, params)[0].token_ids for p in prompts]
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == want
