@@ -145,9 +145,10 @@ class PackedInt4:
         self.scale_zeros = torch.stack([weights.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous().to(device)
         if device.type == "cpu":
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        else:
+        else:  # CUDA tinygemm (untested here: no GPU on the development machine)
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+            inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
         self.shape = tuple(codes.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
