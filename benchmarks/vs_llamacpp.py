@@ -191,7 +191,7 @@ def run(args) -> None:
         for server in servers:  # one at a time, so start-up is not shared
             start(server, env, log_dir)
         for prompt_set, streams in CELLS:
-            for server in servers + servers[::-1]:
+            for server in (servers + servers[::-1])[: len(servers) * args.passes]:
                 s = measure(server, prompt_set, streams, args.num_requests, args.max_tokens)
                 print(f"{server.label} {prompt_set} x{streams}: {s['throughput_tok_s']} tok/s, "
                       f"TTFT p50 {s['ttft_ms'][50]} ms", file=sys.stderr, flush=True)
@@ -218,6 +218,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=8, help="requests per cell (at least the streams)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--passes", type=int, choices=[1, 2], default=2, help="2: ABBA; 1: one pass (quicker)")
     parser.add_argument("--out", default="bench-results/vs-llamacpp")
     args = parser.parse_args()
     if args.command == "build":

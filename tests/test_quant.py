@@ -140,5 +140,5 @@ def test_default_model_int4_greedy_speculative_equals_plain_batched():
     want = [plain.generate(p, params)[0].token_ids for p in prompts]
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == want
-    assert "Paris" in got[1].text
+    assert sum(o.stats.accepted for o in got) > 0
     assert isinstance(spec.runner.fast.lm_head, Linear) and spec.runner.fast.lm_head.shape == (49152, 576)
