@@ -104,16 +104,19 @@ class Server:
         return float("nan")
 
 
-def start(server: Server, env: dict, log_dir: Path) -> None:
+def launch(server: Server, env: dict, log_dir: Path) -> None:
     print(f"starting {server.label}: {' '.join(server.cmd)}", file=sys.stderr, flush=True)
-    begin = time.perf_counter()
+    server.startup_s = time.perf_counter()
     server.proc = subprocess.Popen(server.cmd, env=env, stdout=open(log_dir / f"{server.label}.log", "w"),
                                    stderr=subprocess.STDOUT)
-    wait_up(server.url, server.proc, timeout=900)
+
+
+def ready(server: Server) -> None:
+    wait_up(server.url, server.proc, timeout=1800)
     # Warm-up: a peer may allocate on its first request.
     body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
-    server.startup_s = time.perf_counter() - begin
+    server.startup_s = time.perf_counter() - server.startup_s
 
 
 def stop(server: Server) -> None:
@@ -188,8 +191,12 @@ def run(args) -> None:
     ours = [specstream_server(c, args.threads) for c in args.configs]
     servers = [peer, *ours]
     try:
-        for server in servers:  # one at a time, so start-up is not shared
-            start(server, env, log_dir)
+        for server in servers if args.parallel_start else []:
+            launch(server, env, log_dir)
+        for server in servers:
+            if server.proc is None:
+                launch(server, env, log_dir)
+            ready(server)
         for prompt_set, streams in CELLS:
             for server in (servers + servers[::-1])[: len(servers) * args.passes]:
                 s = measure(server, prompt_set, streams, args.num_requests, args.max_tokens)
@@ -218,6 +225,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=8, help="requests per cell (at least the streams)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--parallel-start", action="store_true",
+                        help="start all servers at once (quicker; start-up times then share the CPU)")
     parser.add_argument("--passes", type=int, choices=[1, 2], default=2, help="2: ABBA; 1: one pass (quicker)")
     parser.add_argument("--out", default="bench-results/vs-llamacpp")
     args = parser.parse_args()
