@@ -163,8 +163,9 @@ def _effective_int4(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
     scales = weights.scales.to(dtype).float()
     zeros = (weights.mins + 8 * weights.scales).to(dtype).float()
     codes = weights.codes.float() - 8
-    # (c - 8) * scale is exact in float32 (4-bit times an at most 24-bit significand): one rounding, as in
-    # the kernel's fused multiply-add.
+    # With float16 or bfloat16 scales (GGUF's, or any in a 16-bit dtype) (c - 8) * scale is exact in float32,
+    # so this rounds once, as the kernel's fused multiply-add does; float32 scales quantized on the fly can
+    # differ from the kernel by one rounding of the product.
     return codes * scales.repeat_interleave(GROUP, 1) + zeros.repeat_interleave(GROUP, 1)
 
 
