@@ -67,8 +67,10 @@ class Int4Weights:
         """Round-to-nearest asymmetric quantization of a dense [N, K] weight, per group of 32 inputs."""
         n, k = weight.shape
         groups = weight.float().reshape(n, k // GROUP, GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        # float16 scale and minimum, as GGUF's Q4_1 stores them: the kernel's float32 (c - 8) * scale is then
+        # exact, so the packed kernel and the dense copy serve bit-identical weights.
+        low, high = groups.amin(-1).half().float(), groups.amax(-1)
+        scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float16).tiny).half().float()
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(codes.reshape(n, k), scales, low)
 
@@ -163,9 +165,8 @@ def _effective_int4(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
     scales = weights.scales.to(dtype).float()
     zeros = (weights.mins + 8 * weights.scales).to(dtype).float()
     codes = weights.codes.float() - 8
-    # With float16 or bfloat16 scales (GGUF's, or any in a 16-bit dtype) (c - 8) * scale is exact in float32,
-    # so this rounds once, as the kernel's fused multiply-add does; float32 scales quantized on the fly can
-    # differ from the kernel by one rounding of the product.
+    # Scales come from float16 (GGUF's, or Int4Weights.quantize's), so (c - 8) * scale is exact in float32
+    # and this rounds once, as the kernel's fused multiply-add does.
     return codes * scales.repeat_interleave(GROUP, 1) + zeros.repeat_interleave(GROUP, 1)
 
 
