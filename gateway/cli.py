@@ -30,9 +30,17 @@ def _add_serve(sub) -> None:
         default=_env("served_model_name"),
         help="the name clients send as 'model' (default: --model)",
     )
-    a("--speculative-method", default=_env("speculative_method", "ngram"), choices=["ngram", "draft", "off"])
+    a(
+        "--speculative-method",
+        default=_env("speculative_method", "ngram"),
+        choices=["ngram", "auto", "eagle", "draft", "off"],
+    )
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
-    a("--draft-model", default=_env("draft_model"), help="draft model for --speculative-method draft")
+    a(
+        "--draft-model",
+        default=_env("draft_model"),
+        help="draft model (method draft) or draft-head directory (eagle, auto; default: the bundled head)",
+    )
     a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     a(
@@ -126,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from specstream import ModelError, resolve_model
+    from specstream import ModelError, check_draft_head, resolve_model
     from specstream.models import read_chat_template
 
     try:
@@ -134,9 +142,12 @@ def _serve(args: argparse.Namespace) -> int:
         resolve_model(args.model)
         if args.chat_template:
             read_chat_template(args.chat_template)
-        if args.draft_model:
+        if args.speculative_method in ("eagle", "auto"):
+            # A draft head for another target fails here, naming both.
+            check_draft_head(args.model, args.draft_model, args.speculative_method)
+        elif args.draft_model:
             resolve_model(args.draft_model)
-    except ModelError as exc:
+    except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("specstream.gateway").info(
@@ -239,12 +250,72 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0 if all(run["summary"]["errors"] == 0 for run in report["runs"]) else 1
 
 
+def _add_train_draft(sub) -> None:
+    p = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a model (CPU, no downloads)")
+    p.add_argument(
+        "--model", default=_env("model", "smollm2-135m"), help="target: bundled alias, HF directory or .gguf path"
+    )
+    p.add_argument("--out", required=True, help="directory for the head (EAGLE-3 format), report.json and work/")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of prompts (strings or chat messages); default: the target writes its own",
+    )
+    p.add_argument("--minutes", type=float, default=45.0, help="wall-clock budget of the whole run")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="budget of training token-passes (default: --minutes decides)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from DIR/work (data and checkpoint)")
+    p.add_argument("--num-prompts", type=int, default=1500)
+    p.add_argument("--max-answer-tokens", type=int, default=256)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_train_draft)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    import json
+
+    from specstream import TrainConfig, train_draft
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = TrainConfig(
+        model=args.model,
+        out=args.out,
+        prompts=args.prompts,
+        minutes=args.minutes,
+        tokens=args.tokens,
+        resume=args.resume,
+        num_prompts=args.num_prompts,
+        max_answer_tokens=args.max_answer_tokens,
+        draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    try:
+        report = train_draft(cfg)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    print(f"head written to {args.out} (serve it with --speculative-method eagle --draft-model {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_chat(sub)
     _add_bench(sub)
+    _add_train_draft(sub)
     return parser
 
 

@@ -4,6 +4,9 @@ from specstream.config import EngineConfig, SpeculativeConfig
 from specstream.engine import Engine
 from specstream.models import DEFAULT_MODEL, ModelError, load_model, load_tokenizer, resolve_model
 from specstream.async_engine import AsyncEngine
+from specstream.draft_head import HeadError
+from specstream.eagle import check_draft_head
+from specstream.train_draft import TrainConfig, train_draft
 from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed, SpecstreamError
 from specstream.outputs import RequestOutput, StreamChunk, Usage
 from specstream.sampling import SamplingParams
@@ -23,6 +26,10 @@ __all__ = [
     "StreamChunk",
     "Usage",
     "AsyncEngine",
+    "HeadError",
+    "TrainConfig",
+    "check_draft_head",
+    "train_draft",
     "EngineDeadError",
     "InvalidRequestError",
     "QueueFull",

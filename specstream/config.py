@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("ngram", "draft", "off")
+SPECULATIVE_METHODS = ("ngram", "auto", "eagle", "draft", "off")
 QUANTIZATION_MODES = ("none", "auto", "int8", "int4")
 
 
@@ -12,8 +12,13 @@ QUANTIZATION_MODES = ("none", "auto", "int8", "int4")
 class SpeculativeConfig:
     """How drafts are proposed.
 
-    method: "ngram" (prompt lookup over prompt + output), "draft" (a small model sharing the
-    target's vocabulary, named by draft_model), or "off" (plain decoding).
+    method: "ngram" (the default: prompt lookup over prompt + output), "auto" (per sequence
+    and round, the draft head or an n-gram match, whichever is expected to yield more tokens
+    per unit of cost; n-gram alone for a target with no head), "eagle" (a trained
+    EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
+    the model), "draft" (a small model sharing the target's vocabulary, named by
+    draft_model), or "off" (plain decoding). No head is bundled yet, so "auto" is not the
+    default: without a head it is n-gram with extra machinery.
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.

@@ -24,6 +24,9 @@ from specstream import fast_llama, quant
 from specstream.adaptive_k import CostModel, KPolicy, record_round
 from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.config import EngineConfig
+from specstream.auto_proposer import AutoProposer
+from specstream.draft_head import HeadError
+from specstream.eagle import EagleProposer, load_for_target, resolve_head_dir
 from specstream.errors import InvalidRequestError
 from specstream.kv import KVPool
 from specstream.metrics import EngineMetrics
@@ -61,7 +64,7 @@ def _usage(seq: Sequence) -> Usage:
 
 
 def _cut(draft: Draft, k: int) -> Draft:
-    return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+    return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.method)
 
 
 class Engine:
@@ -90,6 +93,12 @@ class Engine:
             target_cost = self._calibrate(self.runner)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.cost = self._calibrate(self.proposer.runner)
+            elif isinstance(self.proposer, EagleProposer):
+                self.proposer.calibrate()
+            elif isinstance(self.proposer, AutoProposer):
+                if self.proposer.head is not None:
+                    self.proposer.head.calibrate()
+                self.proposer.target_cost = target_cost
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         self.policy = KPolicy(k_max, spec.adaptive, target_cost, self.proposer.pass_cost)
         self.scheduler = Scheduler(config, self.pool, self.policy, self.proposer.release)
@@ -160,6 +169,8 @@ class Engine:
             return NoProposer()
         if spec.method == "ngram":
             return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.method in ("eagle", "auto"):
+            return self._make_head_proposer()
         source = resolve_model(spec.draft_model)
         draft_tokenizer = load_tokenizer(source)
         dtype = resolve_dtype(spec.draft_dtype, self.device) if spec.draft_dtype else self.dtype
@@ -178,6 +189,27 @@ class Engine:
             max_pass_tokens=self.config.max_num_batched_tokens,
             prefix_caching=self.config.enable_prefix_caching,
         )
+
+    def _make_head_proposer(self) -> Proposer:
+        spec = self.config.speculative
+        ngram = NgramProposer(spec.ngram_min, spec.ngram_max)
+        try:
+            head_dir = resolve_head_dir(spec.draft_model, self.config.model)
+        except HeadError as exc:
+            if spec.method == "eagle":
+                raise
+            logger.info("speculation auto: n-gram only (%s)", exc)
+            return AutoProposer(None, ngram)
+        head = load_for_target(head_dir, self.model, self.config.model, self.dtype, self.device)
+        cfg = head.cfg
+        capacity, block_size = self.pool.capacity, self.config.kv_block_size
+        pool = KVPool(1, cfg.num_key_value_heads, cfg.head_dim, capacity, block_size, self.dtype, self.device)
+        eagle = EagleProposer(head, pool)
+        if spec.method == "eagle":
+            return eagle
+        # The head's held-out first-position acceptance is the best prior for its drafts.
+        accept = (cfg.target.get("report") or {}).get("acceptance_per_position") or [None]
+        return AutoProposer(eagle, ngram, head_prior=accept[0]) if accept[0] else AutoProposer(eagle, ngram)
 
     def _calibrate(self, runner: ModelRunner) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
@@ -246,11 +278,16 @@ class Engine:
             return []
         decodes, drafts, outputs = self._propose(plan)
         completing = [seq for seq, n in plan.prefills if seq.num_cached + n == len(seq.token_ids)]
-        logits = self.runner.forward(self._pack(decodes, drafts, plan.prefills))
+        items = self._pack(decodes, drafts, plan.prefills)
+        aux_layers = self.proposer.aux_layers
+        logits, aux = self.runner.forward(items, aux_layers) if aux_layers else (self.runner.forward(items), None)
         for seq, n in plan.prefills:
             seq.num_cached += n
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
-        for i, (rnd, result) in enumerate(zip(rounds, self._verify(rounds))):
+        results = self._verify(rounds)
+        if aux is not None:
+            self._hand_features(decodes, plan.prefills, items, results, aux)
+        for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
         self._update_gauges()
         return outputs
@@ -260,6 +297,33 @@ class Engine:
         plan = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
         return plan
+
+    def _hand_features(
+        self,
+        decodes: list[Sequence],
+        prefills: list[tuple[Sequence, int]],
+        items: list[ForwardItem],
+        results: list[RoundResult | Exception],
+        aux: torch.Tensor,
+    ) -> None:
+        """Give the proposer the target's aux hidden states of the rows that are now final:
+        each decoder's last token and accepted drafts, and every prefill chunk. A round that
+        failed hands nothing (its sequence is finished with an error)."""
+        rows = aux.split([len(item.tokens) for item in items])
+        for i, seq in enumerate(decodes):
+            if not isinstance(results[i], Exception):
+                self._observe(seq, items[i].start, rows[i][: 1 + results[i].num_accepted])
+        for j, (seq, _) in enumerate(prefills, start=len(decodes)):
+            self._observe(seq, items[j].start, rows[j])
+
+    def _observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        try:
+            self.proposer.observe(seq, start, features)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: drop its state, keep the request
+            logger.warning(
+                "proposer state of %s dropped; it restarts from the next features", seq.request_id, exc_info=True
+            )
+            self.proposer.release(seq)
 
     def _propose(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         """Drafts for the decoding sequences, each cut to its k: (the sequences still
@@ -342,7 +406,7 @@ class Engine:
         new = self._append(seq, result.tokens)
         # Accepted drafts cut off by a stop or the length limit were never emitted.
         accepted = min(result.num_accepted, len(new))
-        self._record(seq, rnd.k, accepted, len(new), decoding)
+        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method)
         chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits)
         if seq.finish_reason is not None:
             self._finish(seq)
@@ -367,11 +431,13 @@ class Engine:
                 return tokens[:n]
         return list(tokens)
 
-    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int, num_emitted: int, decoding: bool) -> None:
+    def _record(
+        self, seq: Sequence, num_drafted: int, num_accepted: int, num_emitted: int, decoding: bool, method: str
+    ) -> None:
         seq.stats.record(num_drafted, num_accepted)
         if decoding:
             record_round(seq, num_drafted, num_accepted)
-        self.metrics.record_round(num_drafted, num_accepted, num_emitted)
+        self.metrics.record_round(num_drafted, num_accepted, num_emitted, method)
 
     @staticmethod
     def _chunk(seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor) -> StreamChunk:

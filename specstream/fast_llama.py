@@ -97,8 +97,17 @@ class FastLlama:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext, keep: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; returns float32 logits for the rows in keep."""
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: StepContext,
+        keep: torch.Tensor,
+        aux_layers: tuple[int, ...] = (),
+    ):
+        """input_ids, positions: [T]; returns float32 logits for the rows in keep. With
+        aux_layers, returns (logits, aux): aux [T, len(aux_layers) * hidden] holds the residual
+        stream entering each of those layers (what a draft head reads), from the same pass."""
         x = F.embedding(input_ids, self.embed)
         dtype = x.dtype
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -106,7 +115,10 @@ class FastLlama:
         cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, d]
         sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
         t = input_ids.shape[0]
+        aux = {}
         for i, (w_in, w_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x
             h = self._rms(x, w_in)
             q, k, v = w_qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = self._rotate(q.view(t, self.heads, self.head_dim), cos, sin)
@@ -116,4 +128,7 @@ class FastLlama:
             gate, up = w_gate_up(self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
             x = x + w_down(F.silu(gate) * up)
         x = self._rms(x[keep], self.norm)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if not aux_layers:
+            return logits
+        return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)

@@ -30,7 +30,16 @@ class EngineMetrics:
         self.num_draft_tokens = Counter("specstream_spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.num_accepted_tokens = Counter("specstream_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.num_accepted_tokens_per_pos = Counter(
-            "specstream_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ["position"], registry=r
+            "specstream_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position and proposer (eagle, ngram, draft).",
+            ["position", "method"],
+            registry=r,
+        )
+        self.num_draft_tokens_per_pos = Counter(
+            "specstream_spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified, by draft position and proposer.",
+            ["position", "method"],
+            registry=r,
         )
         self.prompt_tokens = Counter("specstream_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("specstream_generation_tokens", "Tokens generated.", registry=r)
@@ -56,11 +65,13 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(stats.hits - seen.hits)
         self._prefix_seen = PrefixCacheStats(stats.queries, stats.hits)
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, num_tokens: int, method: str = "") -> None:
         self.generation_tokens.inc(num_tokens)
         if num_drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(num_drafted)
             self.num_accepted_tokens.inc(num_accepted)
+            for pos in range(num_drafted):
+                self.num_draft_tokens_per_pos.labels(position=str(pos), method=method).inc()
             for pos in range(num_accepted):
-                self.num_accepted_tokens_per_pos.labels(position=str(pos)).inc()
+                self.num_accepted_tokens_per_pos.labels(position=str(pos), method=method).inc()

@@ -2,8 +2,9 @@
 
 A proposer is asked for up to k_i draft tokens for each decoding sequence and returns them
 with, for stochastic proposers, the distribution each was drawn from (verification needs q).
-Deterministic proposers return probs=None (q is one-hot). A new proposer (an EAGLE-style
-head, say) implements the same four members; verification does not change.
+Deterministic proposers return probs=None (q is one-hot). A proposer that reads the target's
+hidden states (a trained draft head) names the layers in aux_layers and receives each
+sequence's rows through observe(); verification does not change.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from specstream.sequence import Sequence
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
+    method: str = ""  # which proposer made it (a metrics label)
 
 
 class Proposer:
+    # Target layers whose input hidden states the proposer reads (empty: none).
+    aux_layers: tuple[int, ...] = ()
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
 
@@ -44,6 +49,10 @@ class Proposer:
     def release(self, seq: Sequence) -> None:
         """seq finished or was preempted: free what the proposer holds for it."""
 
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target's aux hidden states [n, len(aux_layers) * hidden] of seq's positions
+        start .. start + n - 1, now final (prompt rows, or the accepted rows of a round)."""
+
 
 class NoProposer(Proposer):
     def propose(self, seqs, ks):
@@ -58,9 +67,13 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seqs, ks):
-        return [Draft(self.lookup(s.token_ids, k)) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+        return [Draft(self.lookup(s.token_ids, k), method="ngram") if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k proposed tokens, length of the suffix that matched; 0 when none did)."""
         arr = np.asarray(tokens, dtype=np.int64)
         length = len(arr)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -70,8 +83,8 @@ class NgramProposer(Proposer):
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n
-                return arr[start : start + k].tolist()
-        return []
+                return arr[start : start + k].tolist(), n
+        return [], 0
 
 
 @dataclass
@@ -121,7 +134,7 @@ class DraftModelProposer(Proposer):
             self.runner.forward(items)
 
     def propose(self, seqs, ks):
-        drafts = [Draft([]) for _ in seqs]
+        drafts = [Draft([], None, "draft") for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active, items = self._first_pass(seqs, ks)
         step = 0
@@ -186,23 +199,11 @@ class DraftModelProposer(Proposer):
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list], step: int
     ) -> None:
         """Append each sequence's next draft (argmax, or a sample from q) and, when sampled, its q."""
-        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
-        greedy_ids = logits.argmax(-1).tolist()
+        tokens, qs = choose_drafts(logits, seqs, step)
         for j, d in enumerate(drafts):
-            if seqs[j].params.greedy:
-                d.tokens.append(greedy_ids[j])
-        if not sampled:
-            return
-        q = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
-        us = torch.tensor(
-            [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
-            dtype=torch.float64,
-            device=logits.device,
-        )
-        tokens = sample_from(q, us).tolist()
-        for row, j in enumerate(sampled):
-            drafts[j].tokens.append(tokens[row])
-            probs[j].append(q[row])
+            d.tokens.append(tokens[j])
+            if qs[j] is not None:
+                probs[j].append(qs[j])
 
     def on_commit(self, seq):
         kv = self._state.get(seq.request_id)
@@ -218,3 +219,25 @@ class DraftModelProposer(Proposer):
         if kv is not None:
             self._publish(seq, kv)
             self.pool.free(kv.table)
+
+
+def choose_drafts(
+    logits: torch.Tensor, seqs: list[Sequence], step: int, greedy_ids: list[int] | None = None
+) -> tuple[list[int], list]:
+    """Draft token `step` of each sequence from its proposer's logits [len(seqs), V]: the
+    argmax for greedy requests (or greedy_ids when the caller has them), else a sample from
+    the request's own sampling distribution q, returned with it for verification."""
+    sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+    tokens = list(greedy_ids) if greedy_ids is not None else logits.argmax(-1).tolist()
+    probs: list = [None] * len(seqs)
+    if not sampled:
+        return tokens, probs
+    rows = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
+    us = torch.tensor(
+        [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
+        dtype=torch.float64,
+        device=logits.device,
+    )
+    for row, (j, tok) in enumerate(zip(sampled, sample_from(rows, us).tolist())):
+        tokens[j], probs[j] = tok, rows[row]
+    return tokens, probs

@@ -51,51 +51,66 @@ class ModelRunner:
             self.pool.free(table)
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
-        """Run the model; return float32 logits [sum(num_logits), vocab] in item order."""
-        pool = self.pool
+    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):
+        """Run the model; return float32 logits [sum(num_logits), vocab] in item order. With
+        aux_layers, return (logits, aux): aux [sum(len(tokens)), len(aux_layers) * hidden]
+        is the residual stream entering those layers for every new token (a draft head's
+        input), taken from the same pass."""
+        input_ids, pos, ctx, keep_idx = pack(self.pool, items)
         dev = self.device
-        input_ids: list[int] = []
-        positions, slot_maps, kv_slots, keep, q_rows = [], [], [], [], []
-        offset = 0
-        for item in items:
-            n, end = len(item.tokens), item.start + len(item.tokens)
-            input_ids.extend(item.tokens)
-            positions.append(torch.arange(item.start, end))
-            all_slots = pool.slots(item.table, 0, end)
-            slot_maps.append(all_slots[item.start :])
-            kv_slots.append(all_slots)
-            q_rows.append(torch.arange(offset, offset + n))
-            if item.num_logits:
-                keep.append(torch.arange(offset + n - item.num_logits, offset + n))
-            offset += n
-        pos = torch.cat(positions)
-        batch = len(items)
-        lengths = torch.tensor([len(r) for r in q_rows])
-        starts = torch.tensor([item.start for item in items])
-        t_max, s_max = int(lengths.max()), max(len(s) for s in kv_slots)
-        kv_index = torch.zeros((batch, s_max), dtype=torch.long)
-        q_index = torch.zeros((batch, t_max), dtype=torch.long)
-        for i, (slots, rows) in enumerate(zip(kv_slots, q_rows)):
-            kv_index[i, : len(slots)] = slots
-            q_index[i, : len(rows)] = rows
-        out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
-        ctx = StepContext(
-            pool=pool,
-            slot_mapping=torch.cat(slot_maps).to(dev),
-            kv_index=kv_index.to(dev),
-            q_index=q_index.to(dev),
-            out_index=out_index.to(dev),
-            q_pos=(starts[:, None] + torch.arange(t_max)[None, :]).to(dev),
-        )
-        keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
         if self.fast is not None:
-            return self.fast(torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx)
+            return self.fast(input_ids, pos, ctx, keep_idx, aux_layers)
         with step_context(ctx):
             out = self.model(
-                input_ids=torch.tensor([input_ids], device=dev),
-                position_ids=pos[None].to(dev),
+                input_ids=input_ids[None],
+                position_ids=pos[None],
                 use_cache=False,
                 logits_to_keep=keep_idx,
+                output_hidden_states=bool(aux_layers),
             )
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        if not aux_layers:
+            return logits
+        # hidden_states[i] is the input of layer i.
+        return logits, torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1).to(dev)
+
+
+def pack(pool: KVPool, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
+    """Concatenate the items' new tokens into one packed step over pool: (input_ids [T],
+    positions [T], the attention context, rows whose logits are wanted)."""
+    dev = pool.device
+    input_ids: list[int] = []
+    positions, slot_maps, kv_slots, keep, q_rows = [], [], [], [], []
+    offset = 0
+    for item in items:
+        n, end = len(item.tokens), item.start + len(item.tokens)
+        input_ids.extend(item.tokens)
+        positions.append(torch.arange(item.start, end))
+        all_slots = pool.slots(item.table, 0, end)
+        slot_maps.append(all_slots[item.start :])
+        kv_slots.append(all_slots)
+        q_rows.append(torch.arange(offset, offset + n))
+        if item.num_logits:
+            keep.append(torch.arange(offset + n - item.num_logits, offset + n))
+        offset += n
+    pos = torch.cat(positions)
+    batch = len(items)
+    lengths = torch.tensor([len(r) for r in q_rows])
+    starts = torch.tensor([item.start for item in items])
+    t_max, s_max = int(lengths.max()), max(len(s) for s in kv_slots)
+    kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+    q_index = torch.zeros((batch, t_max), dtype=torch.long)
+    for i, (slots, rows) in enumerate(zip(kv_slots, q_rows)):
+        kv_index[i, : len(slots)] = slots
+        q_index[i, : len(rows)] = rows
+    out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
+    ctx = StepContext(
+        pool=pool,
+        slot_mapping=torch.cat(slot_maps).to(dev),
+        kv_index=kv_index.to(dev),
+        q_index=q_index.to(dev),
+        out_index=out_index.to(dev),
+        q_pos=(starts[:, None] + torch.arange(t_max)[None, :]).to(dev),
+    )
+    keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
+    return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx

@@ -53,7 +53,14 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 384):
 
 
 def build_tiny_model(
-    path: Path, *, seed: int = 0, num_layers: int = 2, hidden: int = 64, vocab_dir: Path | None = None, vocab_size: int = 384
+    path: Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden: int = 64,
+    vocab_dir: Path | None = None,
+    vocab_size: int = 384,
+    initializer_range: float = 0.1,
 ):
     """A random Llama with fixed seed, saved with the tiny tokenizer (copied from vocab_dir
     when given, so a draft and a target share one vocabulary)."""
@@ -87,7 +94,7 @@ def build_tiny_model(
         # This init makes greedy decoding fall into short loops now and then, so n-gram
         # drafts are both accepted and rejected (the default 0.02 repeats one token forever,
         # wider inits never repeat).
-        initializer_range=0.1,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()

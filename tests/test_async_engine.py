@@ -274,7 +274,7 @@ async def test_metrics_count_rounds_latencies_and_finishes(aengine):
     accepted = sum(o.stats.accepted for o in outs)
     assert value("specstream_spec_decode_num_draft_tokens_total") == drafted > 0
     assert value("specstream_spec_decode_num_accepted_tokens_total") == accepted
-    assert value("specstream_spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') == sum(
+    assert value("specstream_spec_decode_num_accepted_tokens_per_pos_total", '{method="ngram",position="0"}') == sum(
         o.stats.accepted_per_position[0] for o in outs if o.stats.accepted_per_position
     )
     assert value("specstream_generation_tokens_total") == 80

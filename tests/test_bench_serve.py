@@ -54,6 +54,19 @@ def test_acceptance_from_prometheus_text():
     )
     delta = acceptance_delta(before, after)
     assert delta["per_position"] == [0.6, 0.4] and delta["acceptance_rate"] == 0.25
+    labelled = 'specstream_spec_decode_num_{0}_tokens_per_pos_total{{method="{2}",position="{1}"}} {3}\n'
+    text = "specstream_spec_decode_num_drafts_total 10.0\nspecstream_spec_decode_num_draft_tokens_total 30.0\n"
+    text += "specstream_spec_decode_num_accepted_tokens_total 12.0\n"
+    text += labelled.format("draft", 0, "eagle", 8.0) + labelled.format("accepted", 0, "eagle", 6.0)
+    text += labelled.format("draft", 1, "eagle", 4.0) + labelled.format("accepted", 1, "eagle", 1.0)
+    text += labelled.format("draft", 0, "ngram", 2.0) + labelled.format("accepted", 0, "ngram", 2.0)
+    zero = parse_acceptance(
+        "specstream_spec_decode_num_drafts_total 0.0\nspecstream_spec_decode_num_draft_tokens_total 0.0\n"
+        "specstream_spec_decode_num_accepted_tokens_total 0.0\n"
+    )
+    by_method = acceptance_delta(zero, parse_acceptance(text))
+    assert by_method["per_method"] == {"eagle": [0.75, 0.25], "ngram": [1.0]}
+    assert by_method["per_position"] == [0.8, 0.1]
     assert parse_acceptance("other_metric 1\n") is None
 
 

@@ -89,6 +89,15 @@ def test_kernel_choice_keeps_what_it_routes_to():
     assert lin(torch.randn(3, 256, dtype=torch.bfloat16)).shape == (3, 256)
 
 
+def test_quantization_is_opt_in_for_the_engine_and_serve(monkeypatch):
+    from gateway.cli import build_parser
+
+    monkeypatch.delenv("SPECSTREAM_QUANTIZATION", raising=False)
+    assert EngineConfig().quantization == "none"
+    assert build_parser().parse_args(["serve"]).quantization == "none"
+    assert build_parser().parse_args(["serve", "--quantization", "int4"]).quantization == "int4"
+
+
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")

@@ -159,10 +159,17 @@ async def run_rate(
     return results, time.perf_counter() - start
 
 
+def _labels(line: str) -> dict[str, str]:
+    inner = line[line.index("{") + 1 : line.index("}")]
+    return {k: v.strip('"') for k, v in (part.split("=", 1) for part in inner.split(",") if "=" in part)}
+
+
 def parse_acceptance(metrics_text: str) -> dict | None:
-    """Counters of specstream's spec-decode metrics from Prometheus text, or None."""
+    """Counters of specstream's spec-decode metrics from Prometheus text, or None. Per-position
+    counters carry a method label (eagle, ngram, draft); per_pos sums over methods."""
     drafts = draft_tokens = accepted = None
     per_pos: dict[int, float] = {}
+    by_method: dict[str, dict[str, dict[int, float]]] = {}
     for line in metrics_text.splitlines():
         if line.startswith("specstream_spec_decode_num_drafts_total "):
             drafts = float(line.split()[-1])
@@ -170,12 +177,29 @@ def parse_acceptance(metrics_text: str) -> dict | None:
             draft_tokens = float(line.split()[-1])
         elif line.startswith("specstream_spec_decode_num_accepted_tokens_total "):
             accepted = float(line.split()[-1])
-        elif line.startswith("specstream_spec_decode_num_accepted_tokens_per_pos_total{"):
-            pos = int(line.split('position="')[1].split('"')[0])
-            per_pos[pos] = float(line.split()[-1])
+        elif line.startswith(
+            (
+                "specstream_spec_decode_num_accepted_tokens_per_pos_total{",
+                "specstream_spec_decode_num_draft_tokens_per_pos_total{",
+            )
+        ):
+            labels = _labels(line)
+            pos, value = int(labels["position"]), float(line.split()[-1])
+            kind = "accepted" if "_accepted_" in line else "drafted"
+            if kind == "accepted":
+                per_pos[pos] = per_pos.get(pos, 0.0) + value
+            if labels.get("method"):
+                counts = by_method.setdefault(labels["method"], {"accepted": {}, "drafted": {}})
+                counts[kind][pos] = value
     if drafts is None:
         return None
-    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted, "per_pos": per_pos}
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted": accepted,
+        "per_pos": per_pos,
+        "by_method": by_method,
+    }
 
 
 async def scrape(http: httpx.AsyncClient, metrics_url: str) -> dict | None:
@@ -199,7 +223,21 @@ def acceptance_delta(before: dict | None, after: dict | None) -> dict | None:
         / max(after["draft_tokens"] - before["draft_tokens"], 1),
         # P(draft at position i accepted | a round drafted), the vLLM definition.
         "per_position": [(after["per_pos"][p] - before["per_pos"].get(p, 0)) / drafts for p in positions],
+        # Per proposer: P(draft at position i accepted | that method drafted position i).
+        "per_method": {
+            m: _method_delta(before.get("by_method", {}).get(m), c) for m, c in after.get("by_method", {}).items()
+        },
     }
+
+
+def _method_delta(before: dict | None, after: dict) -> list[float]:
+    before = before or {"accepted": {}, "drafted": {}}
+    out = []
+    for p in sorted(after["drafted"]):
+        drafted = after["drafted"][p] - before["drafted"].get(p, 0)
+        if drafted > 0:
+            out.append(round((after["accepted"].get(p, 0) - before["accepted"].get(p, 0)) / drafted, 4))
+    return out
 
 
 async def bench(
@@ -264,6 +302,14 @@ def print_table(reports: list[dict]) -> None:
             s = run["summary"]
             level = f"c={run['concurrency']}" if "concurrency" in run else f"{run['rate']} req/s"
             acc = f"{run['acceptance']['acceptance_rate']:.0%}" if run.get("acceptance") else "-"
+            methods = (run.get("acceptance") or {}).get("per_method") or {}
+            if methods:
+                # First three positions of each proposer: P(accepted | drafted there).
+                acc += (
+                    " ("
+                    + "; ".join(f"{m} " + "/".join(f"{a:.0%}" for a in per[:3]) for m, per in methods.items() if per)
+                    + ")"
+                )
             cells = [
                 rep["label"],
                 run["prompt_set"],

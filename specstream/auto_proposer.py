@@ -1,0 +1,118 @@
+"""AutoProposer: per sequence and per round, the draft head's chain or an n-gram match.
+
+Both are judged by the tokens a round is expected to emit per second of the round's cost:
+a round drafting m tokens accepted independently with probability a emits
+(1 - a^(m+1)) / (1 - a) tokens; it costs the target's verification of 1 + m tokens, plus
+m head steps for the head (n-gram lookup is free). Each method's a is the sequence's own
+decayed history for that method, starting from a prior: the head's held-out acceptance
+from its training report, and for n-gram a prior that grows with the length of the matched
+suffix (a long match in the prompt is usually a copy, and copying is where n-gram wins).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specstream.adaptive_k import CostModel
+from specstream.eagle import EagleProposer
+from specstream.proposers import Draft, NgramProposer, Proposer
+from specstream.sequence import Sequence
+
+# Prior acceptance of an n-gram draft by the length of the matched suffix.
+NGRAM_PRIOR = {1: 0.15, 2: 0.35, 3: 0.55}
+NGRAM_PRIOR_LONG = 0.7
+HEAD_PRIOR = 0.6
+PRIOR_WEIGHT = 2.0
+DECAY = 0.9
+
+
+@dataclass
+class _History:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def estimate(self, prior: float) -> float:
+        return (self.accepted + prior * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.rejected = self.rejected * DECAY + (1.0 if accepted < drafted else 0.0)
+
+
+@dataclass
+class _SeqChoice:
+    head: _History
+    ngram: _History
+    last_method: str = ""
+    last_drafted: int = 0  # seq.stats totals when the last draft was handed out
+    last_accepted: int = 0
+
+
+def expected_tokens(a: float, m: int) -> float:
+    """Tokens a round emits when m drafts are each accepted with probability a (bonus included)."""
+    return float(m + 1) if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a)
+
+
+class AutoProposer(Proposer):
+    def __init__(self, head: EagleProposer | None, ngram: NgramProposer, head_prior: float = HEAD_PRIOR) -> None:
+        self.head = head
+        self.ngram = ngram
+        self.head_prior = head_prior
+        self.aux_layers = head.aux_layers if head is not None else ()
+        self.target_cost: CostModel | None = None  # set by the engine after calibration
+        self._seqs: dict[str, _SeqChoice] = {}
+
+    def pass_cost(self, num_seqs: int) -> float:
+        return self.head.pass_cost(num_seqs) if self.head is not None else 0.0
+
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        if self.head is not None:
+            self.head.observe(seq, start, features)
+
+    def release(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        if self.head is not None:
+            self.head.release(seq)
+
+    def on_commit(self, seq: Sequence) -> None:
+        choice = self._seqs.get(seq.request_id)
+        if choice is None or not choice.last_method:
+            return
+        drafted = seq.stats.drafted - choice.last_drafted
+        accepted = seq.stats.accepted - choice.last_accepted
+        getattr(choice, choice.last_method).record(drafted, accepted)
+        choice.last_method = ""
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        head_ks = [0] * len(seqs)
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k <= 0:
+                continue
+            choice = self._seqs.setdefault(seq.request_id, _SeqChoice(_History(), _History()))
+            tokens, n = self.ngram.match(seq.token_ids, k)
+            ngram_rate = (
+                self._rate(choice.ngram.estimate(NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG)), len(tokens), 0)
+                if tokens
+                else 0.0
+            )
+            head_rate = self._rate(choice.head.estimate(self.head_prior), k, k) if self.head is not None else 0.0
+            if tokens and ngram_rate >= head_rate:
+                drafts[i] = Draft(tokens, None, "ngram")
+                choice.last_method = "ngram"
+            elif self.head is not None:
+                head_ks[i] = k
+                choice.last_method = "head"
+            choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
+        if any(head_ks):
+            idx = [i for i, k in enumerate(head_ks) if k]
+            for i, d in zip(idx, self.head.propose([seqs[i] for i in idx], [head_ks[i] for i in idx])):
+                drafts[i] = d
+        return drafts
+
+    def _rate(self, a: float, drafts: int, head_steps: int) -> float:
+        """Expected tokens per second of one sequence's round."""
+        verify = self.target_cost(1 + drafts) if self.target_cost is not None else 1.0
+        return expected_tokens(a, drafts) / (verify + head_steps * self.pass_cost(1))

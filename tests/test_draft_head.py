@@ -1,0 +1,394 @@
+"""Trained EAGLE-3 draft heads: training on a tiny target, the file format, serving with the
+head (rollback, preemption, losslessness) and bad head directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from safetensors.torch import load_file
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.draft_head import (
+    ARCHITECTURE,
+    HeadError,
+    load_head,
+    read_config,
+    save_head,
+    weight_names,
+)
+from specstream.eagle import EagleProposer
+from specstream.runner import ForwardItem
+from specstream.sequence import Sequence
+from specstream.train_draft import TrainConfig, train_draft, user_turn_prefix
+from specstream.verify import Round, verify_round
+
+RAW_PROMPTS = ["hello there", "what is the capital", "tell me a story", "def add(a, b):", "Paris is", "quick brown"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 4-layer tiny target whose greedy text does not collapse into one repeated token, so
+    there is something to learn."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("eagle-target"), num_layers=4, vocab_dir=tiny_model_dir, initializer_range=0.15
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("eagle-head")
+    cfg = TrainConfig(
+        model=str(target_dir),
+        out=str(out),
+        minutes=10,  # generous: the token budget below ends it (a few seconds of training)
+        tokens=60_000,
+        num_prompts=64,
+        max_prompt_tokens=16,
+        max_answer_tokens=64,
+        draft_vocab_size=256,
+        dtype="float32",
+        lr=2e-3,
+        batch_size=8,
+    )
+    return out, train_draft(cfg)
+
+
+@pytest.fixture(scope="module")
+def chats(trained) -> list:
+    """Chats from the questions the target wrote for its training (the head's domain)."""
+    lines = (trained[0] / "work" / "prompts.jsonl").read_text().splitlines()
+    return [[{"role": "user", "content": json.loads(line)}] for line in lines[:6]]
+
+
+@pytest.fixture(scope="module")
+def untrained(trained, target_dir, tmp_path_factory) -> Path:
+    """The same head before training: random layer, the target's norm and LM-head rows."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    head = load_head(trained[0], target.get_input_embeddings().weight, torch.float32)
+    head.init_from_target(target.model.norm.weight, target.lm_head.weight)
+    return save_head(head, tmp_path_factory.mktemp("eagle-untrained"))
+
+
+def engine_for(model: Path | str, method: str, head: Path | None, **kw) -> Engine:
+    spec = SpeculativeConfig(
+        method=method, draft_model=str(head) if head else None, num_speculative_tokens=kw.pop("k", 4), adaptive=False
+    )
+    return Engine(EngineConfig(model=str(model), dtype="float32", speculative=spec, **kw), log=False)
+
+
+def greedy(engine: Engine, prompts, max_tokens: int = 40):
+    return engine.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def acceptance(outs) -> float:
+    return sum(o.stats.accepted for o in outs) / max(sum(o.stats.drafted for o in outs), 1)
+
+
+# ---------------------------------------------------------------------- training
+def test_training_writes_a_report_with_per_position_acceptance(trained):
+    out, report = trained
+    assert json.loads((out / "report.json").read_text()) == report
+    per = report["acceptance_per_position"]
+    assert len(per) == 6 and all(a >= b for a, b in zip(per, per[1:]))
+    assert report["mean_accepted_length"] == pytest.approx(1 + sum(per), abs=1e-2)
+    assert 0 < report["vocab_coverage"] <= 1 and report["train_steps"] > 0
+    assert set(report["phase_seconds"]) >= {"prompts", "answers", "features", "training"}
+
+
+def test_trained_head_beats_an_untrained_one_on_the_targets_own_greedy_text(trained, untrained, target_dir, chats):
+    # The tiny random target writes nearly random text, so a few seconds of training reach
+    # modest acceptance; an untrained head gets next to none.
+    after = acceptance(greedy(engine_for(target_dir, "eagle", trained[0]), chats, 64))
+    before = acceptance(greedy(engine_for(target_dir, "eagle", untrained), chats, 64))
+    assert after > before + 0.04 and after > 4 * before, (before, after)
+
+
+def test_self_prompts_start_from_the_user_turn_of_the_chat_template(target_dir):
+    from transformers import AutoTokenizer
+
+    assert user_turn_prefix(AutoTokenizer.from_pretrained(target_dir)) == "<|im_start|>user\n"
+
+
+# ---------------------------------------------------------------------- file format
+def test_head_files_carry_the_names_and_shapes_vllm_and_sglang_load(trained):
+    out, _ = trained
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == [ARCHITECTURE] and raw["model_type"] == "llama"
+    assert raw["num_hidden_layers"] == 1 and raw["tie_word_embeddings"] is False
+    assert raw["draft_vocab_size"] == 256 and raw["vocab_size"] == 384
+    assert (
+        raw["eagle_aux_hidden_state_layer_ids"] == raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    )
+    tensors = load_file(str(out / "model.safetensors"))
+    h = raw["hidden_size"]
+    expected = weight_names(read_config(out))
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == expected
+    # What the loaders build: fc reads 3 target hidden states, q/k/v read [embedding; hidden].
+    assert expected["fc.weight"] == (h, 3 * h) and expected["midlayer.self_attn.q_proj.weight"][1] == 2 * h
+    assert "embed_tokens.weight" not in tensors  # the loaders share the target's embedding
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    # d2t holds offsets: draft id i is target id i + d2t[i]; t2d marks exactly those ids.
+    target_ids = torch.arange(256) + tensors["d2t"]
+    assert bool((target_ids[1:] > target_ids[:-1]).all())
+    assert torch.equal(torch.nonzero(tensors["t2d"]).squeeze(1), target_ids)
+    # vLLM's renaming reaches its module names (midlayer. -> layers.0.).
+    assert {n.replace("midlayer.", "layers.0.") for n in tensors if n.startswith("midlayer.")} >= {
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+    }
+
+
+def test_head_round_trip_gives_the_same_drafts(trained, target_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    embed = AutoModelForCausalLM.from_pretrained(target_dir).get_input_embeddings().weight
+    head = load_head(trained[0], embed, torch.float32)
+    again = load_head(save_head(head, tmp_path / "copy"), embed, torch.float32)
+    aux = torch.randn(2, 10, 3 * head.cfg.hidden_size)
+    tokens = torch.randint(0, 384, (2, 10))
+    with torch.no_grad():
+        for a, b in zip(head.unroll(aux, tokens, 3), again.unroll(aux, tokens, 3)):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- serving
+def test_greedy_output_with_the_head_is_identical_to_plain_alone_and_batched(trained, target_dir, chats):
+    prompts = chats + RAW_PROMPTS
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), prompts)]
+    for method in ("eagle", "auto"):
+        engine = engine_for(target_dir, method, trained[0])
+        batched = greedy(engine, prompts)
+        assert [o.token_ids for o in batched] == plain
+        assert sum(o.stats.accepted for o in batched) > 0
+        alone = [greedy(engine, [p])[0].token_ids for p in prompts[:2]]
+        assert alone == plain[:2]
+    # Every head block is back in the pool once the requests are done.
+    assert engine.proposer.head.pool.num_free_blocks == engine.proposer.head.pool.num_blocks
+
+
+def test_greedy_output_with_the_head_is_identical_to_plain_when_the_prefix_cache_skips_a_prompt(
+    trained, target_dir, chats
+):
+    """fp32, prefix caching on: a prompt admitted past a cached prefix hands the head features
+    only from there, so its cache starts at that position (never at stale or missing rows).
+    Drafts still come, and the output is the plain one."""
+    prompts = [
+        c + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}] for c in chats[:3]
+    ]
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None, enable_prefix_caching=False), prompts)]
+    for method in ("eagle", "auto"):
+        engine = engine_for(target_dir, method, trained[0], kv_block_size=4, enable_prefix_caching=True)
+        assert [o.token_ids for o in greedy(engine, prompts)] == plain
+        again = greedy(engine, prompts)  # every prompt's leading blocks are now cached
+        assert [o.token_ids for o in again] == plain
+        assert all(o.num_cached_tokens > 0 for o in again) and sum(o.stats.accepted for o in again) > 0
+        head = engine.proposer if method == "eagle" else engine.proposer.head
+        assert not head._state and head.pool.num_free_blocks == head.pool.num_blocks
+
+
+def test_head_started_past_a_cached_prefix_drafts_what_a_head_fed_from_there_drafts(trained, target_dir, chats):
+    engine = engine_for(target_dir, "eagle", trained[0], kv_block_size=4, enable_prefix_caching=True, k=6)
+    greedy(engine, [chats[1]], max_tokens=8)
+    seq = engine.prepare(chats[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 12:
+        engine.step()
+    live = engine.proposer
+    state = live._state[seq.request_id]
+    assert 0 < state.base == seq.prefix.hit_tokens
+    cfg = live.head.cfg
+    fresh = EagleProposer(
+        live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
+    )
+    table = []
+    engine.pool.reserve(table, len(seq.token_ids))
+    _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
+    engine.pool.free(table)
+    twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
+    fresh.observe(twin, state.base, aux[state.base :])
+    assert fresh.propose([twin], [6])[0].tokens == live.propose([seq], [6])[0].tokens
+
+
+def test_head_kv_after_rejections_equals_a_fresh_recompute(trained, target_dir, chats):
+    """Rolled-back draft rows must leave the head's cache exactly as if the accepted text had
+    been fed from scratch: the next drafts agree."""
+    engine = engine_for(target_dir, "eagle", trained[0], k=6)
+    seq = engine.prepare(chats[2], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 30:
+        engine.step()
+    assert seq.stats.drafted > seq.stats.accepted  # some drafts were rejected and rolled back
+    live = engine.proposer
+    state = live._state[seq.request_id]
+    assert len(state.table) <= live.pool.blocks_for(state.fed + state.num_pending + 1)
+    cfg = live.head.cfg
+    fresh = EagleProposer(
+        live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
+    )
+    table = []
+    engine.pool.reserve(table, len(seq.token_ids))
+    _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
+    engine.pool.free(table)
+    twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
+    fresh.observe(twin, 0, aux)
+    assert fresh.propose([twin], [6])[0].tokens == live.propose([seq], [6])[0].tokens
+
+
+def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), RAW_PROMPTS, max_tokens=60)]
+    engine = engine_for(target_dir, "eagle", trained[0], kv_cache_tokens=160, kv_block_size=16)
+    outs = greedy(engine, RAW_PROMPTS, max_tokens=60)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == plain
+    assert engine.proposer.pool.num_free_blocks == engine.proposer.pool.num_blocks and not engine.proposer._state
+
+
+def test_chunked_prefill_hands_the_head_its_features_chunk_by_chunk(trained, target_dir, chats):
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), chats[:3])]
+    engine = engine_for(target_dir, "eagle", trained[0], max_num_batched_tokens=8)
+    assert all(len(engine.processor.encode(c)) > 8 for c in chats[:3])  # every prompt takes several steps
+    outs = greedy(engine, chats[:3])
+    assert [o.token_ids for o in outs] == plain and sum(o.stats.accepted for o in outs) > 0
+
+
+def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_dir):
+    """One speculative round over many seeds: the first emitted token must follow the
+    target's p exactly, including tokens outside the head's reduced vocabulary (q = 0)."""
+    engine = engine_for(target_dir, "eagle", trained[0])
+    proposer = engine.proposer
+    prompt = engine.processor.encode(RAW_PROMPTS[0])
+    n, k = 3000, 2
+    seqs = [Sequence(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i), arrival=i) for i in range(n)]
+    table: list[int] = []
+    engine.pool.reserve(table, len(prompt))
+    logits, aux = engine.runner.forward([ForwardItem(table, 0, prompt, 1)], proposer.aux_layers)
+    engine.pool.free(table)
+    p = logits[0].softmax(-1)
+    outside = ~proposer.head.t2d
+    assert float(p[outside].sum()) > 0.05  # the test covers the reduced vocabulary
+    for s in seqs:
+        proposer.observe(s, 0, aux[:-1])
+    drafts = proposer.propose(seqs, [k] * n)
+    assert all(d.probs is not None and float(d.probs[:, outside].sum()) == 0 for d in drafts)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([prompt[:-1] + [prompt[-1]] + d.tokens for d in drafts])
+    with torch.no_grad():
+        rows = model(ids).logits[:, len(prompt) - 1 :].float()
+    verdicts = verify_round([Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)])
+    first = torch.tensor([result.tokens[0] for result in verdicts])
+    empirical = torch.bincount(first, minlength=p.shape[0]).float() / n
+    tv = 0.5 * float((empirical - p).abs().sum())
+    # Total variation of n samples from p itself is about sqrt(V / (2 pi n)) ~ 0.14 at V=384.
+    assert tv < 0.2, tv
+    assert abs(float(empirical[outside].sum()) - float(p[outside].sum())) < 0.04
+    for s in seqs:
+        proposer.release(s)
+
+
+def test_metrics_label_per_position_acceptance_by_method(trained, target_dir, chats):
+    engine = engine_for(target_dir, "eagle", trained[0])
+    greedy(engine, chats)
+    value = engine.metrics.registry.get_sample_value
+    drafted = value("specstream_spec_decode_num_draft_tokens_per_pos_total", {"position": "0", "method": "eagle"})
+    accepted = value("specstream_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0", "method": "eagle"})
+    assert drafted > 0 and 0 < accepted <= drafted
+
+
+# ---------------------------------------------------------------------- bad heads
+def test_a_head_for_another_target_fails_at_start_up_naming_both(trained, tiny_draft_dir):
+    with pytest.raises(HeadError, match="hidden size 64 vs the target's 32") as err:
+        engine_for(tiny_draft_dir, "eagle", trained[0])
+    assert str(trained[0]) in str(err.value) and str(tiny_draft_dir) in str(err.value)
+
+
+def test_a_head_with_another_vocabulary_fails_at_start_up(trained, tmp_path):
+    other = build_tiny_model(tmp_path / "other", vocab_size=300)
+    with pytest.raises(HeadError, match="vocabulary 384 vs the target's"):
+        engine_for(other, "eagle", trained[0])
+
+
+def test_a_directory_that_is_no_head_is_refused(target_dir, tmp_path):
+    with pytest.raises(HeadError, match="train-draft"):
+        engine_for(target_dir, "eagle", tmp_path)
+    with pytest.raises(HeadError, match="not an EAGLE-3 head"):
+        engine_for(target_dir, "eagle", target_dir)
+
+
+def test_eagle_without_a_bundled_head_names_train_draft_and_auto_falls_back_to_ngram(target_dir):
+    with pytest.raises(HeadError, match="specstream train-draft --model"):
+        engine_for(target_dir, "eagle", None)
+    engine = engine_for(target_dir, "auto", None)
+    assert engine.proposer.head is None and engine.proposer.aux_layers == ()
+    assert len(greedy(engine, RAW_PROMPTS[:1])[0].token_ids) == 40
+
+
+def test_train_draft_cli_rejects_a_bad_prompts_file(tmp_path, target_dir, capsys):
+    from gateway.cli import main
+
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    assert (
+        main(
+            [
+                "train-draft",
+                "--model",
+                str(target_dir),
+                "--out",
+                str(tmp_path / "h"),
+                "--prompts",
+                str(bad),
+                "--minutes",
+                "0.1",
+            ]
+        )
+        == 2
+    )
+    assert "expected a string or a list of chat messages" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the default model
+def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_model_source, tmp_path):
+    """fp32, so batched verification cannot flip near-ties: a head (here an untrained one in
+    the default model's geometry: 3 aux layers of 30, 8k draft vocabulary) changes nothing
+    but speed, alone and batched."""
+    from specstream.draft_head import DraftHead, HeadConfig
+
+    prompts = [
+        [{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off")), log=False)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    cfg = HeadConfig.for_target(plain.model.config, 8192)
+    assert cfg.aux_layers == (2, 15, 27)
+    head = DraftHead(cfg, plain.model.get_input_embeddings().weight)
+    head.set_vocabulary(torch.arange(8192) * 6)
+    head.init_from_target(plain.model.model.norm.weight, plain.model.lm_head.weight)
+    head_dir = save_head(head, tmp_path / "head")
+    assert (head_dir / "model.safetensors").stat().st_size <= 20 * 10**6  # fits the bundled-head budget
+    spec = SpeculativeConfig(method="eagle", draft_model=str(head_dir), num_speculative_tokens=4, adaptive=False)
+    eagle = Engine(EngineConfig(dtype="float32", speculative=spec), log=False)
+    batched = eagle.generate(prompts, params)
+    assert [o.token_ids for o in batched] == expected and all(o.stats.drafted > 0 for o in batched)
+    assert [eagle.generate(p, params)[0].token_ids for p in prompts] == expected
+
+
+def test_ngram_stays_the_default_and_auto_runs_ngram_alone_while_no_head_is_bundled(default_model_source):
+    from specstream.eagle import bundled_head_dir
+
+    # auto becomes the default only once a head ships for the bundled model.
+    assert EngineConfig().speculative.method == "ngram"
+    if bundled_head_dir("smollm2-135m") is None:
+        with pytest.raises(HeadError, match="specstream train-draft --model smollm2-135m"):
+            Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle")), log=False)
+    auto = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="auto")), log=False)
+    assert (auto.proposer.head is not None) == (bundled_head_dir("smollm2-135m") is not None)
