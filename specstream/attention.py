@@ -31,7 +31,9 @@ from specstream.models import ModelError
 
 ATTN_IMPLEMENTATION = "specstream_packed"
 # Arguments transformers passes that do not change what attention computes here.
-_INERT_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position"})
+_INERT_KWARGS = frozenset(
+    {"position_ids", "use_cache", "output_router_logits", "output_attentions", "output_hidden_states", "cache_position"}
+)
 
 
 class UnsupportedAttentionError(ModelError):

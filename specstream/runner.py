@@ -66,7 +66,8 @@ class ModelRunner:
                 position_ids=pos[None],
                 use_cache=False,
                 logits_to_keep=keep_idx,
-                output_hidden_states=bool(aux_layers),
+                # Only when asked: the model hands its kwargs down to the attention function.
+                **({"output_hidden_states": True} if aux_layers else {}),
             )
         logits = out.logits[0].float()
         if not aux_layers:
