@@ -43,6 +43,12 @@ def _add_serve(sub) -> None:
     )
     a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
+    a(
+        "--quantization",
+        default=_env("quantization", "none"),
+        choices=["none", "auto", "int8", "int4"],
+        help="weights of the projections (opt-in): auto = the model file's own 4-bit blocks where it has them",
+    )
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))
     a("--port", type=int, default=int(_env("port", "8000")))
@@ -101,6 +107,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_prompt_chars=args.max_prompt_chars,
         seed=args.seed,
+        quantization=args.quantization,
         speculative=SpeculativeConfig(
             method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,

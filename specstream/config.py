@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("ngram", "auto", "eagle", "draft", "off")
+QUANTIZATION_MODES = ("none", "auto", "int8", "int4")
 
 
 @dataclass
@@ -82,10 +83,13 @@ class EngineConfig:
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_bytes"):

@@ -20,6 +20,7 @@ import uuid
 
 import torch
 
+from specstream import fast_llama, quant
 from specstream.adaptive_k import CostModel, KPolicy, record_round
 from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.config import EngineConfig
@@ -29,7 +30,7 @@ from specstream.eagle import EagleProposer, load_for_target, resolve_head_dir
 from specstream.errors import InvalidRequestError
 from specstream.kv import KVPool
 from specstream.metrics import EngineMetrics
-from specstream.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+from specstream.models import gguf_file, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.processor import InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
@@ -86,7 +87,7 @@ class Engine:
         self.max_model_len = config.max_model_len or min(limit, self.pool.capacity)
         if self.max_model_len > self.pool.capacity:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner, weights = self._make_runner(source)
         self.proposer = self._make_proposer()
         # [structured] grammars, forced drafts, masks; the draft model's logits are masked too
         self.structured = StructuredDecoding(
@@ -122,7 +123,8 @@ class Engine:
         self.metrics = EngineMetrics()
         if log:
             logger.info(
-                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens",
+                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens; weights %s; "
+                "resident memory %.0f MiB",
                 time.perf_counter() - start,
                 config.model,
                 self.dtype,
@@ -130,6 +132,8 @@ class Engine:
                 spec.method,
                 k_max,
                 self.pool.capacity,
+                weights,
+                quant.resident_bytes() / 2**20,
             )
 
     # ----------------------------------------------------------------- set-up helpers
@@ -151,6 +155,21 @@ class Engine:
         if limit:
             tokens = min(tokens, limit * self.config.max_num_seqs)
         return max(tokens, self.config.kv_block_size)
+
+    def _make_runner(self, source) -> tuple[ModelRunner, str]:
+        """The target's runner with its projections held as config.quantization says (quant.py), and
+        a line for the log."""
+        mode = self.config.quantization
+        if not fast_llama.supports(self.model):
+            if mode in ("int4", "int8"):
+                raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
+            return ModelRunner(self.model, self.pool), "dense"
+        factory = quant.make_factory(mode, self.model, gguf_file(source), self.dtype, self.device)
+        if factory is None:
+            return ModelRunner(self.model, self.pool), "dense"
+        runner = ModelRunner(self.model, self.pool, linear=factory)
+        choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens)
+        return runner, quant.describe(factory, choices)
 
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative

@@ -2,14 +2,18 @@
 
 Same weights and the same math as transformers' LlamaModel, without its per-module Python
 machinery, and with q/k/v and gate/up each fused into one matmul (the fused weights are
-views shared with the model's own parameters, so memory is not duplicated). On CPU the
-step of a small model is dominated by this overhead, so the packed forward takes it when the
-model qualifies and falls back to the transformers modules (through the registered
-attention function) otherwise. Depends on the layout of transformers' Llama modules; this
-file and attention.py are the only ones that do.
+views shared with the model's own parameters, so memory is not duplicated). Each projection
+is a callable made by `linear(names, weight)`: F.linear on the weight by default, or
+quant.py's packed low-bit weights. On CPU the step of a small model is dominated by this
+overhead, so the packed forward takes it when the model qualifies and falls back to the
+transformers modules (through the registered attention function) otherwise. Depends on the
+layout of transformers' Llama modules; this file and attention.py are the only ones that do.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +45,20 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def dense_linear(names: list[str], weight: torch.Tensor) -> Projection:
+    return partial(F.linear, weight=weight)
+
+
 class FastLlama:
-    def __init__(self, model) -> None:
+    def __init__(self, model, linear: Callable[[list[str], torch.Tensor], Projection] = dense_linear) -> None:
         cfg = model.config
         base = model.model
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = linear(["lm_head.weight"], model.lm_head.weight.data)
         self.eps = cfg.rms_norm_eps
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -56,21 +67,23 @@ class FastLlama:
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.layers = []
-        for layer in base.layers:
+        for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            name = f"model.layers.{i}.{{}}.weight".format
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
-                    _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    attn.o_proj.weight,
+                    linear([name(f"self_attn.{p}_proj") for p in "qkv"], _fuse(qkv)),
+                    linear([name("self_attn.o_proj")], attn.o_proj.weight.data),
                     layer.post_attention_layernorm.weight,
-                    _fuse([mlp.gate_proj, mlp.up_proj]),
-                    mlp.down_proj.weight,
+                    linear([name("mlp.gate_proj"), name("mlp.up_proj")], _fuse(gate_up)),
+                    linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self.inter = self.layers[0][4].shape[0] // 2 if self.layers else 0
+        self.inter = cfg.intermediate_size
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -107,15 +120,15 @@ class FastLlama:
             if i in aux_layers:
                 aux[i] = x
             h = self._rms(x, w_in)
-            q, k, v = F.linear(h, w_qkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q, k, v = w_qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = self._rotate(q.view(t, self.heads, self.head_dim), cos, sin)
             k = self._rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
             out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v.view(t, self.kv_heads, self.head_dim), self.scaling)
-            x = x + F.linear(out[0].transpose(0, 1).reshape(t, self.q_size), w_o)
-            gate, up = F.linear(self._rms(x, w_post), w_gate_up).split((self.inter, self.inter), dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w_down)
+            x = x + w_o(out[0].transpose(0, 1).reshape(t, self.q_size))
+            gate, up = w_gate_up(self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
+            x = x + w_down(F.silu(gate) * up)
         x = self._rms(x[keep], self.norm)
-        logits = F.linear(x, self.lm_head).float()
+        logits = self.lm_head(x).float()
         if not aux_layers:
             return logits
         return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)

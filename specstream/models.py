@@ -201,6 +201,16 @@ def load_model(
     return model.to(device).eval()
 
 
+def gguf_file(source: ModelSource) -> Path | None:
+    """The GGUF file a model's weights come from (a bundled model's, or a .gguf path), else None:
+    quant.py reads its quantized blocks as stored."""
+    if source.name in BUNDLED_MODELS:
+        return bundled_gguf_path(BUNDLED_MODELS[source.name])
+    if source.gguf_file:
+        return Path(source.path) / source.gguf_file
+    return None
+
+
 def _is_hub_id(source: ModelSource) -> bool:
     return source.path == source.name and not Path(source.path).exists()
 

@@ -14,7 +14,7 @@ import torch
 from specstream import fast_llama
 from specstream.architectures import check_architecture
 from specstream.attention import StepContext, step_context
-from specstream.fast_llama import FastLlama
+from specstream.fast_llama import FastLlama, dense_linear
 from specstream.kv import KVPool
 
 
@@ -27,13 +27,14 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, fast: bool = True) -> None:
+    def __init__(self, model, pool: KVPool, fast: bool = True, linear=dense_linear) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
         check_architecture(model)
-        # Llama-architecture models take the lean forward; others run transformers' modules.
-        self.fast = FastLlama(model) if fast and fast_llama.supports(model) else None
+        # Llama-architecture models take the lean forward (with its projections made by `linear`, see
+        # quant.py); others run transformers' modules.
+        self.fast = FastLlama(model, linear) if fast and fast_llama.supports(model) else None
         if self.fast is None:
             self._probe()
 

@@ -1,0 +1,61 @@
+"""Forward time of the lean forward per quantization mode, side by side in one process (ABBA order),
+at the step shapes that matter: a decode step (1 row), a verification (9 rows), a batch of 8 decodes
+(8 rows), a prefill chunk (256 rows), each over a 256-token context.
+
+    python benchmarks/quant_forward.py                         # bf16, modes none auto int4
+    python benchmarks/quant_forward.py --modes none auto --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from specstream import Engine, EngineConfig, SpeculativeConfig
+from specstream.runner import ForwardItem
+
+CONTEXT = 256
+SHAPES = {"decode 1 row": [1], "verify 9 rows": [9], "8 streams x 1 row": [1] * 8, "prefill 256 rows": [256]}
+
+
+def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
+    return [ForwardItem(t, CONTEXT, [7] * n, 1) for t, n in zip(tables, rows)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    engines = {}
+    for mode in args.modes:
+        config = EngineConfig(dtype=args.dtype, quantization=mode, speculative=SpeculativeConfig(method="off"))
+        engines[mode] = Engine(config)
+    tables = {}
+    for mode, engine in engines.items():
+        tables[mode] = []
+        for _ in range(8):
+            table: list[int] = []
+            engine.pool.reserve(table, CONTEXT + 256)
+            engine.runner.forward([ForwardItem(table, 0, [7] * CONTEXT, 1)])
+            tables[mode].append(table)
+    best = {(m, s): float("inf") for m in engines for s in SHAPES}
+    order = list(engines)
+    for r in range(args.repeats):
+        for mode in order if r % 2 == 0 else order[::-1]:
+            for shape, rows in SHAPES.items():
+                items = items_for(rows, tables[mode])
+                start = time.perf_counter()
+                engines[mode].runner.forward(items)
+                best[mode, shape] = min(best[mode, shape], time.perf_counter() - start)
+    base = order[0]
+    print(f"\n| forward, ms (speed-up over {base}) | " + " | ".join(SHAPES) + " |")
+    print("|---" * (len(SHAPES) + 1) + "|")
+    for mode in order:
+        cells = [f"{best[mode, s] * 1e3:.1f} ({best[base, s] / best[mode, s]:.2f}x)" for s in SHAPES]
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Quantized projections: the int4 layout represents GGUF's 4-bit blocks exactly, the kernels compute
+what the layout says, and speculative output still equals plain output with quantized weights."""
+
+import pytest
+import torch
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, quant
+from specstream.quant import Int4Weights, Linear, LinearFactory, PackedInt4, PackedInt8
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "Paris",
+    [{"role": "user", "content": "Hello! How can I help you today?"}],
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def random_int4(n: int = 64, k: int = 128, seed: int = 0) -> Int4Weights:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    # float16 block scales and minimums, as a Q4_1 file stores them
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = (-8 * scales + torch.randn(n, k // 32, generator=gen) * 1e-3).half().float()
+    return Int4Weights(codes, scales, mins)
+
+
+def test_int4_kernel_multiplies_by_c_minus_8_times_scale_plus_zero_exactly_in_float32():
+    weights = random_int4()
+    packed = PackedInt4(weights, torch.float32, torch.device("cpu"))
+    # Rows of the identity pick out single weights: the output is the kernel's weight, with no sum rounding.
+    seen = packed(torch.eye(weights.codes.shape[1])).t()
+    assert torch.equal(seen, weights.dequantize())
+    assert torch.equal(seen, quant._effective_int4(weights, torch.float32))
+
+
+def test_int4_kernel_in_bfloat16_reads_bfloat16_scales():
+    weights = random_int4()
+    packed = PackedInt4(weights, torch.bfloat16, torch.device("cpu"))
+    seen = packed(torch.eye(weights.codes.shape[1], dtype=torch.bfloat16)).t().float()
+    assert torch.equal(seen, quant._effective_int4(weights, torch.bfloat16).bfloat16().float())
+
+
+def test_quantize_rounds_each_weight_to_the_nearest_of_16_levels():
+    weight = torch.randn(48, 96)
+    q = Int4Weights.quantize(weight)
+    assert q.codes.max() <= 15 and q.scales.shape == (48, 3)
+    err = (q.dequantize() - weight).abs()
+    # half a step, plus the float16 rounding of the group's minimum and scale
+    slack = (q.mins.abs() + 15 * q.scales) * 2**-10
+    assert (err <= (q.scales / 2 + slack).repeat_interleave(32, 1)).all()
+    assert torch.equal(q.scales, q.scales.half().float()) and torch.equal(q.mins, q.mins.half().float())
+
+
+def test_int8_kernel_matches_its_dequantized_weight():
+    weight = torch.randn(64, 96)
+    packed = PackedInt8(weight, torch.float32, torch.device("cpu"))
+    x = torch.randn(5, 96)
+    dense = packed.codes.float() * packed.scales[:, None]
+    torch.testing.assert_close(packed(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_routes_by_rows_and_both_kernels_serve_the_same_weight():
+    factory = LinearFactory("int4", torch.float32, torch.device("cpu"))
+    weight = torch.randn(64, 128)
+    lin = factory(["w"], weight)
+    lin.max_packed_rows = 2
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(lin(x[:2]), lin.packed(x[:2]))
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_embedding_keeps_its_values_when_the_head_is_quantized():
+    embed = torch.randn(64, 96)
+    before = embed.clone()
+    factory = LinearFactory("int4", torch.float32, torch.device("cpu"), shared=(embed,))
+    head = factory(["lm_head.weight"], embed)
+    assert torch.equal(embed, before) and head.dense.data_ptr() != embed.data_ptr()
+
+
+def test_kernel_choice_keeps_what_it_routes_to():
+    factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
+    lin = factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
+    (choice,) = quant.choose_kernels(factory.built, 64, torch.bfloat16, torch.device("cpu"))
+    assert choice.max_packed_rows == lin.max_packed_rows
+    assert (lin.packed is None) == (choice.max_packed_rows == 0)
+    assert (lin.dense is None) == (not choice.keeps_dense)
+    assert lin(torch.randn(3, 256, dtype=torch.bfloat16)).shape == (3, 256)
+
+
+def test_quantization_is_opt_in_for_the_engine_and_serve(monkeypatch):
+    from gateway.cli import build_parser
+
+    monkeypatch.delenv("SPECSTREAM_QUANTIZATION", raising=False)
+    assert EngineConfig().quantization == "none"
+    assert build_parser().parse_args(["serve"]).quantization == "none"
+    assert build_parser().parse_args(["serve", "--quantization", "int4"]).quantization == "int4"
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+
+
+def engine(model, method="off", quantization="int4", k=5):
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=False)
+    config = EngineConfig(model=str(model), dtype="float32", speculative=spec, quantization=quantization)
+    return Engine(config, log=False)
+
+
+@pytest.mark.parametrize("kernels", ["measured", "packed for every step"])
+def test_int4_greedy_speculative_equals_plain_alone_and_batched(tiny_model_dir, monkeypatch, kernels):
+    if kernels != "measured":
+        monkeypatch.setattr(quant, "choose_kernels", lambda *args: [])
+    plain, spec = engine(tiny_model_dir), engine(tiny_model_dir, "ngram")
+    if kernels != "measured":
+        assert all(layer[1].max_packed_rows > 64 for layer in spec.runner.fast.layers)
+    expected = [plain.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+    assert [spec.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == expected
+    batched = spec.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in batched] == expected
+    assert sum(o.stats.accepted for o in batched) > 0
+    dense = engine(tiny_model_dir, quantization="none")
+    assert [o.token_ids for o in dense.generate(PROMPTS, GREEDY)] != expected  # the weights did change
+
+
+def test_gguf_int4_blocks_are_the_files_weights_bit_for_bit(default_model_source):
+    from specstream.models import gguf_file, load_model
+
+    model = load_model(default_model_source)  # float32, dequantized from the same file by gguf-py
+    source = quant.source_int4_weights(gguf_file(default_model_source), model.config)
+    params = dict(model.named_parameters())
+    assert len(source) == 7 * model.config.num_hidden_layers
+    for name, weights in source.items():
+        assert torch.equal(weights.dequantize(), params[name]), name
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    packed = PackedInt4(source[o_proj], torch.float32, torch.device("cpu"))
+    assert torch.equal(packed(torch.eye(params[o_proj].shape[1])).t(), params[o_proj])
+
+
+def test_default_model_int4_greedy_speculative_equals_plain_batched(monkeypatch):
+    # Kept cheap: few tokens, and no kernel timing at start-up (covered on the tiny model above). Single
+    # rows (decoding) take the packed int4 kernel, longer calls the dense copy, which serves the same
+    # weights bit for bit in float32, so plain decoding and speculative verification must still agree.
+    def route_single_rows_packed(linears, *args):
+        for lin in linears:
+            lin.max_packed_rows = 1
+        return []
+
+    monkeypatch.setattr(quant, "choose_kernels", route_single_rows_packed)
+    prompts = [
+        [{"role": "user", "content": "Rewrite in the past tense: The cat sits on the mat and the dog runs."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+    ]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    config = dict(dtype="float32", quantization="int4")
+    plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
+    ngram = SpeculativeConfig(num_speculative_tokens=6, adaptive=False)
+    spec = Engine(EngineConfig(**config, speculative=ngram), log=False)
+    want = [plain.generate(p, params)[0].token_ids for p in prompts]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.stats.accepted for o in got) > 0
+    assert isinstance(spec.runner.fast.lm_head, Linear) and spec.runner.fast.lm_head.shape == (49152, 576)
