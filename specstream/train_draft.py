@@ -460,6 +460,33 @@ def train_head(
 
 
 # ---------------------------------------------------------------------- the whole run
+def _build_dataset(engine: Engine, cfg: TrainConfig, work: Path, aux_layers, data_deadline: float, timed):
+    """Prompts (given, or written by the target), the target's answers to them, and the
+    features the head learns from, each phase timed into the run's meta."""
+    t0 = time.perf_counter()
+    prompts_path = work / "prompts.jsonl"
+    if cfg.resume and prompts_path.is_file():
+        prompts = read_prompts(str(prompts_path))
+    else:
+        if cfg.prompts:
+            prompts = read_prompts(cfg.prompts)
+        else:
+            prompt_deadline = time.perf_counter() + (data_deadline - time.perf_counter()) * 0.2
+            prompts = self_prompts(engine, cfg, prompt_deadline)
+        prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    logger.info("prompts: %d", len(prompts))
+    timed("prompts", t0)
+    t0 = time.perf_counter()
+    seqs = make_answers(engine, prompts, cfg, data_deadline)
+    if len(seqs) < 2:
+        raise RuntimeError("too few answers to train on; give the run more --minutes")
+    timed("answers", t0)
+    t0 = time.perf_counter()
+    data = capture_features(engine, seqs, aux_layers, work, cfg.seq_len)
+    timed("features", t0)
+    return data
+
+
 def train_draft(cfg: TrainConfig) -> dict:
     """Run every phase within cfg.minutes; write the head to cfg.out and return the report."""
     if cfg.threads:
@@ -496,27 +523,7 @@ def train_draft(cfg: TrainConfig) -> dict:
 
     data = load_dataset(work) if cfg.resume else None
     if data is None:
-        t0 = time.perf_counter()
-        prompts_path = work / "prompts.jsonl"
-        if cfg.resume and prompts_path.is_file():
-            prompts = read_prompts(str(prompts_path))
-        else:
-            if cfg.prompts:
-                prompts = read_prompts(cfg.prompts)
-            else:
-                prompt_deadline = time.perf_counter() + (data_deadline - time.perf_counter()) * 0.2
-                prompts = self_prompts(engine, cfg, prompt_deadline)
-            prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-        logger.info("prompts: %d", len(prompts))
-        timed("prompts", t0)
-        t0 = time.perf_counter()
-        seqs = make_answers(engine, prompts, cfg, data_deadline)
-        if len(seqs) < 2:
-            raise RuntimeError("too few answers to train on; give the run more --minutes")
-        timed("answers", t0)
-        t0 = time.perf_counter()
-        data = capture_features(engine, seqs, head_cfg.aux_layers, work, cfg.seq_len)
-        timed("features", t0)
+        data = _build_dataset(engine, cfg, work, head_cfg.aux_layers, data_deadline, timed)
     num_answer = int(data.answer_mask().sum())
     logger.info("dataset: %d sequences, %d tokens, %d answer positions", len(data), len(data.tokens), num_answer)
 
