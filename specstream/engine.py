@@ -292,8 +292,7 @@ class Engine:
         for seq, n in plan.prefills:
             seq.num_cached += n
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
-        # [structured] grammar masks and logit bias on every verified row; logprobs stay unmasked
-        results = self._verify(self.structured.mask_rounds(rounds))
+        results = self._verify(rounds)
         if aux is not None:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
@@ -400,17 +399,17 @@ class Engine:
         rows = logits.split([1 + len(d.tokens) for d in drafts])
         return [Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)]
 
-    @staticmethod
-    def _verify(rounds: list[Round]) -> list[RoundResult | Exception]:
-        """verify_round over the batch; when it fails, round by round, so that a failure
-        stays with the sequence it belongs to."""
+    def _verify(self, rounds: list[Round]) -> list[RoundResult | Exception]:
+        """Grammar masks and logit bias on every verified row (logprobs keep the unmasked
+        rows), then verify_round over the batch; when either fails, round by round, so that
+        a failure stays with the sequence it belongs to."""
         try:
-            return verify_round(rounds)
+            return verify_round(self.structured.mask_rounds(rounds))
         except Exception:  # noqa: BLE001 - find the round it belongs to
             results: list[RoundResult | Exception] = []
             for rnd in rounds:
                 try:
-                    results.append(verify_round([rnd])[0])
+                    results.append(verify_round(self.structured.mask_rounds([rnd]))[0])
                 except Exception as exc:  # noqa: BLE001 - this request fails alone
                     results.append(exc)
             return results

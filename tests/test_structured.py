@@ -202,3 +202,25 @@ def test_draft_model_logits_are_masked_like_the_targets(plain):
     assert allowed and all(plain.tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
     other = Sequence("x", [1, 2], SamplingParams(), 0)
     assert torch.equal(plain.structured.mask_draft_logits(logits, [other], [[]]), logits)
+
+
+def test_a_mask_that_raises_fails_only_its_request(plain, monkeypatch):
+    bad = plain.prepare(PROMPT, schema_params(), request_id="bad")
+    plain.submit(bad)
+    plain.add_request(PROMPT, schema_params(), request_id="good")
+    masks = plain.structured._masks
+
+    def failing(items):
+        if any(matcher is bad.constraint.matcher for matcher, _ in items):
+            raise RuntimeError("mask failed")
+        return masks(items)
+
+    monkeypatch.setattr(plain.structured, "_masks", failing)
+    chunks = []
+    while plain.has_unfinished():
+        chunks += plain.step()
+    last = {c.request_id: c for c in chunks if c.finished}
+    assert last["bad"].finish_reason == "error" and "RuntimeError" in last["bad"].error
+    assert last["good"].finish_reason == "stop"
+    check_schema_output("".join(c.text for c in chunks if c.request_id == "good"))
+    assert plain.pool.num_free_blocks == plain.pool.num_blocks
