@@ -69,6 +69,12 @@ def _add_serve(sub) -> None:
         help="recompute every prompt instead of reusing the KV of earlier requests' shared prefixes",
     )
     a(
+        "--deterministic",
+        action="store_true",
+        default=_env("deterministic", "") in ("1", "true"),
+        help="batch- and speculation-invariant numerics: the same tokens whatever the batch and drafts (slower)",
+    )
+    a(
         "--allow-special-tokens-in-content",
         action="store_true",
         default=_env("allow_special_tokens_in_content", "") in ("1", "true"),
@@ -108,6 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_prompt_chars=args.max_prompt_chars,
         seed=args.seed,
         quantization=args.quantization,
+        deterministic=args.deterministic,
         speculative=SpeculativeConfig(
             method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,

@@ -61,16 +61,20 @@ class StepContext:
     q_index: torch.Tensor  # [B, T_max]: packed row of each sequence's queries (padding: row 0)
     out_index: torch.Tensor  # [T]: row of each packed token in the flattened [B * T_max] output
     q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
+    # 0: one attention call over [B, T_max]. n (invariant mode): T_max is a multiple of n and
+    # attention runs once per tile of n query rows, always masked, so each query row is
+    # computed by the same kernel with the same shape wherever it sits (see runner.py).
+    q_tile: int = 0
     views: dict[int | None, KeyView] = field(default_factory=dict)  # by window, built on first use
 
     def key_view(self, window: int | None) -> KeyView:
         view = self.views.get(window)
         if view is None:
-            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window)
+            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window, bool(self.q_tile))
         return view
 
 
-def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> KeyView:
+def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None, always_mask: bool = False) -> KeyView:
     """Causal (and, with a window, sliding-window) key selection for a step.
 
     Key s is visible to the query at position p when s <= p (and s > p - window). Padding
@@ -87,7 +91,7 @@ def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | No
         width = min(s_max, window - 1 + t_max)
         cols = first[:, None] + torch.arange(width, device=kv_index.device)
         index = kv_index.gather(1, cols.clamp(max=s_max - 1))
-    if batch == 1 and t_max == 1:
+    if batch == 1 and t_max == 1 and not always_mask:
         return KeyView(index, None)  # one query sees every selected key: SDPA takes its fast path
     key_pos = (first[:, None] + torch.arange(width, device=kv_index.device))[:, None, :]  # [B, 1, S]
     mask = key_pos <= q_pos[:, :, None]
@@ -134,11 +138,17 @@ def attend(
     v = values.index_select(0, flat).view(batch, s, *values.shape[1:]).transpose(1, 2)
     heads, _, d = query.shape[1:]
     q = query[0].index_select(1, ctx.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
-    if softcap is None and sinks is None:
-        gqa = heads != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=scaling, enable_gqa=gqa)
-    else:
-        out = explicit_attention(q, k, v, view.mask, scaling, softcap, sinks)
+    tile = ctx.q_tile or t_max
+    parts = []
+    for s0 in range(0, t_max, tile):
+        mask = None if view.mask is None else view.mask[:, :, s0 : s0 + tile]
+        q_part = q[:, :, s0 : s0 + tile]
+        if softcap is None and sinks is None:
+            gqa = heads != k.shape[1]
+            parts.append(F.scaled_dot_product_attention(q_part, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+        else:
+            parts.append(explicit_attention(q_part, k, v, mask, scaling, softcap, sinks))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     out = out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, ctx.out_index)
     return out.unsqueeze(0)
 

@@ -66,6 +66,10 @@ class EngineConfig:
     of seeds for requests that bring none.
     chat_template: a Jinja file path or inline template that replaces the model's own (needed
     for chat with a model that has none).
+    deterministic: batch- and speculation-invariant numerics (runner.py): a token's logits are
+    bit-identical whatever else its step computed, so greedy output, and seeded sampling, give
+    the same tokens with or without drafts and alone or in any batch, in bf16 too. Costs the
+    padding of every step to fixed tiles; needs the lean Llama forward.
     """
 
     model: str = "smollm2-135m"
@@ -84,6 +88,7 @@ class EngineConfig:
     allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
     quantization: str = "none"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -34,7 +34,7 @@ from specstream.models import gguf_file, load_model, load_tokenizer, resolve_dev
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.processor import InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
-from specstream.runner import ForwardItem, ModelRunner
+from specstream.runner import INVARIANT_TILE, ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
 from specstream.scheduler import Scheduler, StepPlan
 from specstream.sequence import Sequence
@@ -160,14 +160,15 @@ class Engine:
         """The target's runner with its projections held as config.quantization says (quant.py), and
         a line for the log."""
         mode = self.config.quantization
+        tile = INVARIANT_TILE if self.config.deterministic else 0
         if not fast_llama.supports(self.model):
             if mode in ("int4", "int8"):
                 raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
-            return ModelRunner(self.model, self.pool), "dense"
+            return ModelRunner(self.model, self.pool, tile=tile), "dense"
         factory = quant.make_factory(mode, self.model, gguf_file(source), self.dtype, self.device)
         if factory is None:
-            return ModelRunner(self.model, self.pool), "dense"
-        runner = ModelRunner(self.model, self.pool, linear=factory)
+            return ModelRunner(self.model, self.pool, tile=tile), "dense"
+        runner = ModelRunner(self.model, self.pool, linear=factory, tile=tile)
         choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens)
         return runner, quant.describe(factory, choices)
 

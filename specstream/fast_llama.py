@@ -53,8 +53,11 @@ def dense_linear(names: list[str], weight: torch.Tensor) -> Projection:
 
 
 class FastLlama:
-    def __init__(self, model, linear: Callable[[list[str], torch.Tensor], Projection] = dense_linear) -> None:
+    def __init__(
+        self, model, linear: Callable[[list[str], torch.Tensor], Projection] = dense_linear, tile: int = 0
+    ) -> None:
         cfg = model.config
+        self.tile = tile  # 0: each op over the whole step; n: row-wise ops in fixed tiles of n rows
         base = model.model
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight
@@ -96,6 +99,48 @@ class FastLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, d]
+        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
+        return cos, sin
+
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows in, rotated q [n, heads, d] and k, v [n, kv_heads, d] out: what attention reads."""
+        w_in, w_qkv = layer[0], layer[1]
+        n = x.shape[0]
+        q, k, v = w_qkv(self._rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = self._rotate(q.view(n, self.heads, self.head_dim), cos, sin)
+        k = self._rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(n, self.kv_heads, self.head_dim)
+
+    def _block_out(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer, row by row: output projection, residual, MLP, residual."""
+        _, _, w_o, w_post, w_gate_up, w_down = layer
+        x = x + w_o(attn)
+        gate, up = w_gate_up(self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
+        return x + w_down(F.silu(gate) * up)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def _rows(self, fn, *tensors: torch.Tensor):
+        """fn over row-aligned tensors. With a tile, in fixed-shape pieces: each tensor is padded
+        to a whole number of tiles and fn runs once per tile of exactly `tile` rows, so every
+        kernel sees the same shape whatever the step holds and a row's result depends only on
+        the row (see invariant mode in runner.py)."""
+        n, tile = tensors[0].shape[0], self.tile
+        if not tile or not n:
+            return fn(*tensors)
+        pad = -n % tile
+        if pad:
+            tensors = tuple(torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in tensors)
+        parts = [fn(*(t[s : s + tile] for t in tensors)) for s in range(0, n + pad, tile)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(col)[:n] for col in zip(*parts))
+        return torch.cat(parts)[:n]
+
     @torch.inference_mode()
     def __call__(
         self,
@@ -109,26 +154,16 @@ class FastLlama:
         aux_layers, returns (logits, aux): aux [T, len(aux_layers) * hidden] holds the residual
         stream entering each of those layers (what a draft head reads), from the same pass."""
         x = F.embedding(input_ids, self.embed)
-        dtype = x.dtype
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, d]
-        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
+        cos, sin = self._rope(positions, x.dtype)
         t = input_ids.shape[0]
         aux = {}
-        for i, (w_in, w_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux[i] = x
-            h = self._rms(x, w_in)
-            q, k, v = w_qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = self._rotate(q.view(t, self.heads, self.head_dim), cos, sin)
-            k = self._rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
-            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v.view(t, self.kv_heads, self.head_dim), self.scaling)
-            x = x + w_o(out[0].transpose(0, 1).reshape(t, self.q_size))
-            gate, up = w_gate_up(self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
-            x = x + w_down(F.silu(gate) * up)
-        x = self._rms(x[keep], self.norm)
-        logits = self.lm_head(x).float()
+            q, k, v = self._rows(partial(self._qkv, layer), x, cos, sin)
+            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.scaling)
+            x = self._rows(partial(self._block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.q_size))
+        logits = self._rows(self._logits, x[keep])
         if not aux_layers:
             return logits
         return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)

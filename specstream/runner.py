@@ -3,6 +3,17 @@
 Each sequence contributes its own number of new tokens (a prefill chunk, or its last token
 plus its drafts). The tokens are concatenated into one [1, T] batch, nothing is padded, and
 each sequence attends only to its own prefix in the KV pool (see attention.py).
+
+Invariant mode (EngineConfig.deterministic): a kernel may pick its blocking, and so the order
+in which it sums, from the shape of its inputs (on this CPU a bf16 matmul over 1536 inputs
+rounds differently from 19 rows on; fp32 ones differ from 2 rows on). A token's logits then
+depend on how many other rows its step held: its drafts, its neighbours in the batch. With a
+tile, every row-wise op (norms, projections, rotary, MLP, LM head) runs on fixed tiles of
+`tile` rows, padded, and attention runs per tile of `tile` query rows of one sequence, always
+masked, over keys padded with masked columns (which add exact zeros) to a multiple of 64. Every kernel then
+sees one shape, and a token's numbers are the same whether it was computed alone, as one of
+k + 1 verified tokens, in a prefill chunk or beside other sequences. The price is the padding
+(a one-row decode step computes `tile` rows) and a loop over tiles for long prefills.
 """
 
 from __future__ import annotations
@@ -16,6 +27,13 @@ from specstream.architectures import check_architecture
 from specstream.attention import StepContext, step_context
 from specstream.fast_llama import FastLlama, dense_linear
 from specstream.kv import KVPool
+from specstream.models import ModelError
+
+
+# Rows per tile in invariant mode: one tile holds a verification step (k + 1 <= 16 by
+# default) so speculation costs no second tile; see the README for the measured price.
+INVARIANT_TILE = 16
+_KEY_BLOCK = 64
 
 
 @dataclass
@@ -27,15 +45,21 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, fast: bool = True, linear=dense_linear) -> None:
+    def __init__(self, model, pool: KVPool, fast: bool = True, linear=dense_linear, tile: int = 0) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
+        self.tile = tile
         check_architecture(model)
         # Llama-architecture models take the lean forward (with its projections made by `linear`, see
         # quant.py); others run transformers' modules.
-        self.fast = FastLlama(model, linear) if fast and fast_llama.supports(model) else None
+        self.fast = FastLlama(model, linear, tile) if fast and fast_llama.supports(model) else None
         if self.fast is None:
+            if tile:
+                raise ModelError(
+                    f"deterministic (batch-invariant) mode needs the lean Llama forward; "
+                    f"{type(model).__name__} runs through transformers' modules, which it cannot tile"
+                )
             self._probe()
 
     def _probe(self) -> None:
@@ -56,7 +80,7 @@ class ModelRunner:
         aux_layers, return (logits, aux): aux [sum(len(tokens)), len(aux_layers) * hidden]
         is the residual stream entering those layers for every new token (a draft head's
         input), taken from the same pass."""
-        input_ids, pos, ctx, keep_idx = pack(self.pool, items)
+        input_ids, pos, ctx, keep_idx = pack(self.pool, items, self.tile)
         dev = self.device
         if self.fast is not None:
             return self.fast(input_ids, pos, ctx, keep_idx, aux_layers)
@@ -76,9 +100,12 @@ class ModelRunner:
         return logits, torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1).to(dev)
 
 
-def pack(pool: KVPool, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
+def pack(
+    pool: KVPool, items: list[ForwardItem], q_tile: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
     """Concatenate the items' new tokens into one packed step over pool: (input_ids [T],
-    positions [T], the attention context, rows whose logits are wanted)."""
+    positions [T], the attention context, rows whose logits are wanted). With q_tile, each
+    sequence's query rows are padded to a multiple of it (attention then runs per tile)."""
     dev = pool.device
     input_ids: list[int] = []
     positions, slot_maps, kv_slots, keep, q_rows = [], [], [], [], []
@@ -99,6 +126,11 @@ def pack(pool: KVPool, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Te
     lengths = torch.tensor([len(r) for r in q_rows])
     starts = torch.tensor([item.start for item in items])
     t_max, s_max = int(lengths.max()), max(len(s) for s in kv_slots)
+    if q_tile:
+        # Whole tiles of queries, and keys padded (masked) to a multiple of _KEY_BLOCK, so no real key
+        # falls in a kernel's remainder loop, whose summation order differs from its main loop's.
+        t_max += -t_max % q_tile
+        s_max += -s_max % _KEY_BLOCK
     kv_index = torch.zeros((batch, s_max), dtype=torch.long)
     q_index = torch.zeros((batch, t_max), dtype=torch.long)
     for i, (slots, rows) in enumerate(zip(kv_slots, q_rows)):
@@ -112,6 +144,7 @@ def pack(pool: KVPool, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Te
         q_index=q_index.to(dev),
         out_index=out_index.to(dev),
         q_pos=(starts[:, None] + torch.arange(t_max)[None, :]).to(dev),
+        q_tile=q_tile,
     )
     keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
     return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
