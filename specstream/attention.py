@@ -50,28 +50,37 @@ class KeyView:
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences of a step that attend together, padded to the group's longest query run
+    (T_max) and longest context (S_max): B x T_max x S_max, not (all tokens) x (all contexts).
+    A step puts its decode and verification runs in one group and its prefill chunks in
+    another, so a long chunk never pads every decoding sequence to its length."""
+
+    kv_index: torch.Tensor  # [B, S_max]: pool slots of each sequence's keys (padding: slot 0, masked)
+    q_index: torch.Tensor  # [B, T_max]: packed row of each sequence's queries (padding: row 0)
+    out_index: torch.Tensor  # [n]: row of each of the group's tokens in the flattened [B * T_max] output
+    rows: torch.Tensor  # [n]: the packed rows of the group's tokens, in out_index's order
+    q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
+    views: dict[int | None, KeyView] = field(default_factory=dict)  # by window, built on first use
+
+    def key_view(self, window: int | None, always_mask: bool) -> KeyView:
+        view = self.views.get(window)
+        if view is None:
+            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window, always_mask)
+        return view
+
+
+@dataclass
 class StepContext:
-    """Where a step's tokens go and what they may see. Attention runs per sequence, padded
-    to the step's longest query run (T_max) and longest context (S_max): B x T_max x S_max,
-    not (all tokens) x (all contexts)."""
+    """Where a step's tokens go and what they may see."""
 
     pool: KVPool
     slot_mapping: torch.Tensor  # [T]: pool slot receiving each new token's key/value
-    kv_index: torch.Tensor  # [B, S_max]: pool slots of each sequence's keys (padding: slot 0, masked)
-    q_index: torch.Tensor  # [B, T_max]: packed row of each sequence's queries (padding: row 0)
-    out_index: torch.Tensor  # [T]: row of each packed token in the flattened [B * T_max] output
-    q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
-    # 0: one attention call over [B, T_max]. n (invariant mode): T_max is a multiple of n and
-    # attention runs once per tile of n query rows, always masked, so each query row is
+    groups: list[AttentionGroup]
+    # 0: one attention call per group over [B, T_max]. n (invariant mode): T_max is a multiple of
+    # n and attention runs once per tile of n query rows, always masked, so each query row is
     # computed by the same kernel with the same shape wherever it sits (see runner.py).
     q_tile: int = 0
-    views: dict[int | None, KeyView] = field(default_factory=dict)  # by window, built on first use
-
-    def key_view(self, window: int | None) -> KeyView:
-        view = self.views.get(window)
-        if view is None:
-            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window, bool(self.q_tile))
-        return view
 
 
 def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None, always_mask: bool = False) -> KeyView:
@@ -138,14 +147,26 @@ def attend(
     keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
     keys.index_copy_(0, ctx.slot_mapping, key)
     values.index_copy_(0, ctx.slot_mapping, value)
-    view = ctx.key_view(window)
+    if len(ctx.groups) == 1:
+        return _attend_group(ctx, ctx.groups[0], query[0], keys, values, scaling, window, softcap, sinks).unsqueeze(0)
+    out = query.new_empty(query.shape[1:])
+    for group in ctx.groups:
+        part = _attend_group(ctx, group, query[0], keys, values, scaling, window, softcap, sinks)
+        out.index_copy_(1, group.rows, part)
+    return out.unsqueeze(0)
+
+
+def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks):
+    """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
+    for the group's n tokens, in group.rows order."""
+    view = group.key_view(window, bool(ctx.q_tile))
     batch, s = view.kv_index.shape
-    t_max = ctx.q_index.shape[1]
+    t_max = group.q_index.shape[1]
     flat = view.kv_index.reshape(-1)
     k = keys.index_select(0, flat).view(batch, s, *keys.shape[1:]).transpose(1, 2)  # [B, kv_heads, S, d]
     v = values.index_select(0, flat).view(batch, s, *values.shape[1:]).transpose(1, 2)
-    heads, _, d = query.shape[1:]
-    q = query[0].index_select(1, ctx.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
+    heads, _, d = query.shape
+    q = query.index_select(1, group.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
     tile = ctx.q_tile or t_max
     parts = []
     for s0 in range(0, t_max, tile):
@@ -159,8 +180,7 @@ def attend(
         else:
             parts.append(explicit_attention(q_part, k, v, mask, scaling, softcap, sinks))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    out = out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, ctx.out_index)
-    return out.unsqueeze(0)
+    return out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, group.out_index)
 
 
 def explicit_attention(

@@ -24,7 +24,7 @@ import torch
 
 from specstream import fast_llama
 from specstream.architectures import check_architecture
-from specstream.attention import StepContext, step_context
+from specstream.attention import AttentionGroup, StepContext, step_context
 from specstream.fast_llama import FastLlama, dense_linear
 from specstream.kv import KVPool
 from specstream.models import ModelError
@@ -34,6 +34,9 @@ from specstream.models import ModelError
 # default) so speculation costs no second tile; see the README for the measured price.
 INVARIANT_TILE = 16
 _KEY_BLOCK = 64
+# Query runs up to this long (decode, verification) attend in one group, longer ones (prefill
+# chunks) in another.
+_SHORT_RUN = 16
 
 
 @dataclass
@@ -122,10 +125,25 @@ def pack(
             keep.append(torch.arange(offset + n - item.num_logits, offset + n))
         offset += n
     pos = torch.cat(positions)
-    batch = len(items)
-    lengths = torch.tensor([len(r) for r in q_rows])
-    starts = torch.tensor([item.start for item in items])
-    t_max, s_max = int(lengths.max()), max(len(s) for s in kv_slots)
+    # Decode and verification runs attend apart from prefill chunks (see AttentionGroup).
+    short = [i for i, r in enumerate(q_rows) if len(r) <= _SHORT_RUN]
+    long = [i for i, r in enumerate(q_rows) if len(r) > _SHORT_RUN]
+    members = [g for g in (short, long) if g]
+    if len(members) == 2 and len(long) * len(short) <= 1:
+        members = [list(range(len(items)))]  # nothing to gain from splitting
+    groups = [
+        _group([kv_slots[i] for i in m], [q_rows[i] for i in m], [items[i].start for i in m], q_tile, dev)
+        for m in members
+    ]
+    ctx = StepContext(pool=pool, slot_mapping=torch.cat(slot_maps).to(dev), groups=groups, q_tile=q_tile)
+    keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
+    return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
+
+
+def _group(kv_slots: list[torch.Tensor], q_rows: list[torch.Tensor], starts: list[int], q_tile: int, dev) -> AttentionGroup:
+    """The padded attention layout of some of a step's sequences."""
+    batch = len(q_rows)
+    t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots)
     if q_tile:
         # Whole tiles of queries, and keys padded (masked) to a multiple of _KEY_BLOCK, so no real key
         # falls in a kernel's remainder loop, whose summation order differs from its main loop's.
@@ -137,14 +155,10 @@ def pack(
         kv_index[i, : len(slots)] = slots
         q_index[i, : len(rows)] = rows
     out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
-    ctx = StepContext(
-        pool=pool,
-        slot_mapping=torch.cat(slot_maps).to(dev),
+    return AttentionGroup(
         kv_index=kv_index.to(dev),
         q_index=q_index.to(dev),
         out_index=out_index.to(dev),
-        q_pos=(starts[:, None] + torch.arange(t_max)[None, :]).to(dev),
-        q_tile=q_tile,
+        rows=torch.cat(q_rows).to(dev),
+        q_pos=(torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]).to(dev),
     )
-    keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
-    return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
