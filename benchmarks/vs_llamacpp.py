@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import free_port, wait_up  # noqa: E402
 
-from clients.bench import bench  # noqa: E402
+from gateway.bench.loadgen import bench  # noqa: E402
 from specstream.models import BUNDLED_MODELS, bundled_gguf_path, cache_dir  # noqa: E402
 
 CACHE = cache_dir() / "llama.cpp"
