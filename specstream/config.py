@@ -17,8 +17,8 @@ class SpeculativeConfig:
     per unit of cost; n-gram alone for a target with no head), "eagle" (a trained
     EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
     the model), "draft" (a small model sharing the target's vocabulary, named by
-    draft_model), or "off" (plain decoding). No head is bundled yet, so "auto" is not the
-    default: without a head it is n-gram with extra machinery.
+    draft_model), or "off" (plain decoding). "auto" is not the default: with the head bundled
+    for smollm2-135m it measured no faster than n-gram (README, Trained draft heads).
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.

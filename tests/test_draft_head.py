@@ -382,13 +382,32 @@ def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_
     assert [eagle.generate(p, params)[0].token_ids for p in prompts] == expected
 
 
-def test_ngram_stays_the_default_and_auto_runs_ngram_alone_while_no_head_is_bundled(default_model_source):
+def test_the_bundled_head_drafts_losslessly_under_eagle_and_auto(default_model_source, tiny_model_dir):
+    from gateway.cli import build_parser
     from specstream.eagle import bundled_head_dir
 
-    # auto becomes the default only once a head ships for the bundled model.
+    # n-gram stays the default: the bundled head measured no faster than it (README).
     assert EngineConfig().speculative.method == "ngram"
-    if bundled_head_dir("smollm2-135m") is None:
-        with pytest.raises(HeadError, match="specstream train-draft --model smollm2-135m"):
-            Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle")), log=False)
+    assert build_parser().parse_args(["serve"]).speculative_method == "ngram"
+    head_dir = bundled_head_dir("smollm2-135m")
+    assert head_dir is not None and (head_dir / "model.safetensors").stat().st_size <= 20 * 10**6
+    report = json.loads((head_dir / "report.json").read_text())
+    assert report["target"] == "smollm2-135m" and report["acceptance_per_position"][0] > 0.2
+    # The default engine drafts with the trained head, and in fp32 its greedy output is plain decoding's.
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [[{"role": "user", "content": "Write a short poem about the sea."}], [{"role": "user", "content": "What is a CPU?"}]]
+    plain = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off")), log=False)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    del plain
+    eagle = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="eagle")), log=False)
+    outs = eagle.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.stats.accepted for o in outs) > 0  # the trained head's drafts are taken
     auto = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="auto")), log=False)
-    assert (auto.proposer.head is not None) == (bundled_head_dir("smollm2-135m") is not None)
+    assert auto.proposer.head is not None
+    assert [auto.generate(p, params)[0].token_ids for p in prompts] == expected
+    # A target with no bundled head: eagle names the trainer, auto runs n-gram alone.
+    with pytest.raises(HeadError, match="specstream train-draft"):
+        Engine(EngineConfig(model=str(tiny_model_dir), speculative=SpeculativeConfig(method="eagle")), log=False)
+    auto_spec = SpeculativeConfig(method="auto")
+    assert Engine(EngineConfig(model=str(tiny_model_dir), speculative=auto_spec), log=False).proposer.head is None
