@@ -106,6 +106,8 @@ class EagleProposer(Proposer):
         self.head = head
         self.pool = pool
         self.aux_layers = head.cfg.aux_layers
+        # [structured] (logits, seqs, drafted tokens) -> logits masked by each sequence's grammar
+        self.constrain = None
         self.cost: CostModel | None = None  # one head pass over n sequences, set by calibrate()
         self._state: dict[str, _HeadState] = {}
 
@@ -206,14 +208,31 @@ class EagleProposer(Proposer):
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
         greedy = self.head.target_ids[logits.argmax(-1)].tolist()
-        if all(s.params.greedy for s in seqs):
+        constrained = self.constrain is not None and any(s.constraint is not None for s in seqs)
+        if not constrained and all(s.params.greedy for s in seqs):
             tokens, probs = greedy, [None] * len(seqs)
         else:
-            tokens, probs = choose_drafts(self.head.full_logits(logits), seqs, step, greedy)
+            full = self.head.full_logits(logits)
+            if constrained:
+                full, greedy = self._constrained(full, seqs, drafts, greedy)
+            tokens, probs = choose_drafts(full, seqs, step, greedy)
         for d, tok, q in zip(drafts, tokens, probs):
             d.tokens.append(tok)
             if q is not None:
                 d.probs = (d.probs or []) + [q]
+
+    def _constrained(self, full: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], greedy: list[int]):
+        """[structured] The head's logits masked by each sequence's grammar after its drafted
+        tokens, so that a sampled draft's q is the constrained q (rejection sampling against the
+        masked target stays lossless). A row the grammar leaves empty within the draft
+        vocabulary becomes one-hot on the head's own choice: that draft is invalid and gets cut,
+        which for a one-hot q is the same as rejecting it (the residual is then p itself)."""
+        full = self.constrain(full, seqs, [d.tokens for d in drafts])
+        empty = (~torch.isfinite(full).any(-1)).nonzero().flatten()
+        if len(empty):
+            full[empty] = float("-inf")
+            full[empty, torch.tensor(greedy, device=full.device)[empty]] = 0.0
+        return full, full.argmax(-1).tolist()
 
     # ------------------------------------------------------------------ cost
     def calibrate(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 64) -> None:

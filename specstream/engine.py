@@ -93,8 +93,9 @@ class Engine:
         self.structured = StructuredDecoding(
             self.tokenizer, self.vocab_size, self.eos_token_ids, forced_drafts=spec.forced_drafts
         )
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.constrain = self.structured.mask_draft_logits
+        for drafter in (self.proposer, getattr(self.proposer, "head", None)):  # auto: its head
+            if isinstance(drafter, (DraftModelProposer, EagleProposer)):
+                drafter.constrain = self.structured.mask_draft_logits
         target_cost = None
         if spec.enabled and spec.adaptive:
             target_cost = self._calibrate(self.runner)
