@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from specstream.sequence import Sequence
 
@@ -48,6 +51,24 @@ class CostModel:
         i = min(max(bisect.bisect_left(t, n), 1), len(t) - 1)
         slope = (s[i] - s[i - 1]) / (t[i] - t[i - 1])
         return max(s[i - 1] + slope * (n - t[i - 1]), 1e-9)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"tokens": self.tokens, "seconds": self.seconds}))
+        os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
+
+    @classmethod
+    def load(cls, path: Path) -> CostModel | None:
+        """A saved curve, or None when there is none or it is not one."""
+        try:
+            data = json.loads(path.read_text())
+            tokens, seconds = [int(t) for t in data["tokens"]], [float(x) for x in data["seconds"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not tokens or len(tokens) != len(seconds) or min(seconds) <= 0 or tokens != sorted(tokens):
+            return None
+        return cls(tokens, seconds)
 
     @classmethod
     def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> CostModel:

@@ -13,10 +13,13 @@ exception in the target's forward escapes step(), since the batch cannot go on w
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -30,7 +33,17 @@ from specstream.eagle import EagleProposer, load_for_target, resolve_head_dir
 from specstream.errors import InvalidRequestError
 from specstream.kv import KVPool
 from specstream.metrics import EngineMetrics
-from specstream.models import gguf_file, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+from specstream.models import (
+    cache_dir,
+    converted_source,
+    gguf_file,
+    load_model,
+    load_tokenizer,
+    processor_name,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.processor import InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
@@ -98,7 +111,7 @@ class Engine:
                 drafter.constrain = self.structured.mask_draft_logits
         target_cost = None
         if spec.enabled and spec.adaptive:
-            target_cost = self._calibrate(self.runner)
+            target_cost = self._calibrate(self.runner, self._calibration_file(source, weights))
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.cost = self._calibrate(self.proposer.runner)
             elif isinstance(self.proposer, EagleProposer):
@@ -221,10 +234,42 @@ class Engine:
         accept = (cfg.target.get("report") or {}).get("acceptance_per_position") or [None]
         return AutoProposer(eagle, ngram, head_prior=accept[0]) if accept[0] else AutoProposer(eagle, ngram)
 
-    def _calibrate(self, runner: ModelRunner) -> CostModel:
-        """Forward time vs step size, measured on a throwaway sequence (rolled back each time)."""
+    def _calibrate(self, runner: ModelRunner, cache: Path | None = None) -> CostModel:
+        """Forward time vs step size, measured on a throwaway sequence (rolled back each time).
+        With a cache file, a curve measured by an earlier start is read from it instead."""
+        if cache is not None and (cost := CostModel.load(cache)) is not None:
+            return cost
+        cost = self._measure_forward(runner)
+        if cache is not None:
+            try:
+                cost.save(cache)
+            except OSError as exc:
+                logger.warning("could not cache the forward-time calibration in %s: %s", cache, exc)
+        return cost
+
+    def _calibration_file(self, source, weights: str) -> Path | None:
+        """Where the target's forward-time curve is kept between starts: only for models that
+        specstream holds in its own content-keyed cache (the bundled model, any GGUF file), so
+        the file names exactly these weights; keyed by everything else the timing depends on
+        (dtype, device and processor, threads, torch, weight kernels, invariant mode, step
+        sizes). Delete ~/.cache/specstream/calibration to measure again."""
+        models = (cache_dir() / "models").resolve()
+        sizes = self._calibration_sizes()
+        path = Path(converted_source(source).path).resolve() if source.gguf_file else Path(source.path).resolve()
+        if models not in path.parents:
+            return None
+        key = json.dumps(
+            [path.name, str(self.dtype), str(self.device), processor_name(self.device), torch.get_num_threads(),
+             torch.__version__, weights, self.config.deterministic, sizes, min(_CALIBRATION_CONTEXT, self.pool.capacity - sizes[-1])]
+        )
+        return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+    def _calibration_sizes(self) -> list[int]:
         top = max(self.config.max_num_batched_tokens, 1)
-        sizes = sorted({n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= top} | {min(top, 128)})
+        return sorted({n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= top} | {min(top, 128)})
+
+    def _measure_forward(self, runner: ModelRunner) -> CostModel:
+        sizes = self._calibration_sizes()
         table: list[int] = []
         pool = runner.pool
         context = min(_CALIBRATION_CONTEXT, pool.capacity - sizes[-1])

@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import platform
 import shutil
 import socket
 import time
@@ -69,6 +70,20 @@ class ModelSource:
     @property
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def processor_name(device: torch.device | str) -> str:
+    """What the device is, for keying measurements: the GPU's name, else the CPU's model name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cache_dir() -> Path:
