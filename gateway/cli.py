@@ -45,9 +45,9 @@ def _add_serve(sub) -> None:
     a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     a(
         "--quantization",
-        default=_env("quantization", "none"),
+        default=_env("quantization", "auto"),
         choices=["none", "auto", "int8", "int4"],
-        help="weights of the projections (opt-in): auto = the model file's own 4-bit blocks where it has them",
+        help="weights of the projections: auto (default) = the model file's own 4-bit blocks where it has them, on CPU",
     )
     a("--device", default=_env("device", "auto"))
     a("--host", default=_env("host", "127.0.0.1"))

@@ -66,6 +66,10 @@ class EngineConfig:
     of seeds for requests that bring none.
     chat_template: a Jinja file path or inline template that replaces the model's own (needed
     for chat with a model that has none).
+    quantization: how the projections' weights are held (quant.py): "auto" (the default) serves
+    the 4-bit blocks a GGUF file stores as they are, with torch's int4 kernel, on CPU (dense on
+    other devices and for other sources); "none" keeps every weight dense as loaded; "int4" /
+    "int8" quantize every projection (lossy where the source is not 4-bit).
     deterministic: batch- and speculation-invariant numerics (runner.py): a token's logits are
     bit-identical whatever else its step computed, so greedy output, and seeded sampling, give
     the same tokens with or without drafts and alone or in any batch, in bf16 too. Costs the
@@ -87,7 +91,7 @@ class EngineConfig:
     max_prompt_chars: int | None = None
     allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
-    quantization: str = "none"
+    quantization: str = "auto"
     deterministic: bool = False
 
     def __post_init__(self) -> None:

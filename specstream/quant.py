@@ -414,6 +414,8 @@ def make_factory(
     when every projection stays dense as loaded ("none", or "auto" with no 4-bit weights in the source)."""
     if mode == "none":
         return None
+    if mode == "auto" and device.type != "cpu":
+        return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
     text = model.config.get_text_config()
     source = source_int4_weights(gguf_path, text) if gguf_path and mode in ("auto", "int4") else {}
     if mode == "auto" and not source:

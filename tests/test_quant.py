@@ -89,12 +89,13 @@ def test_kernel_choice_keeps_what_it_routes_to():
     assert lin(torch.randn(3, 256, dtype=torch.bfloat16)).shape == (3, 256)
 
 
-def test_quantization_is_opt_in_for_the_engine_and_serve(monkeypatch):
+def test_auto_quantization_is_the_default_for_the_engine_and_serve(monkeypatch):
     from gateway.cli import build_parser
 
     monkeypatch.delenv("SPECSTREAM_QUANTIZATION", raising=False)
-    assert EngineConfig().quantization == "none"
-    assert build_parser().parse_args(["serve"]).quantization == "none"
+    assert EngineConfig().quantization == "auto"
+    assert build_parser().parse_args(["serve"]).quantization == "auto"
+    assert build_parser().parse_args(["serve", "--quantization", "none"]).quantization == "none"
     assert build_parser().parse_args(["serve", "--quantization", "int4"]).quantization == "int4"
 
 
