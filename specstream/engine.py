@@ -183,7 +183,8 @@ class Engine:
         if factory is None:
             return ModelRunner(self.model, self.pool, tile=tile), "dense"
         runner = ModelRunner(self.model, self.pool, linear=factory, tile=tile)
-        choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens)
+        # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
+        choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens, timed=not self.config.deterministic)
         return runner, quant.describe(factory, choices)
 
     def _make_proposer(self) -> Proposer:

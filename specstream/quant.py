@@ -372,11 +372,13 @@ def _free_memory(device: torch.device) -> int:
 
 
 def choose_kernels(
-    linears: list[Linear], max_rows: int, dtype: torch.dtype, device: torch.device
+    linears: list[Linear], max_rows: int, dtype: torch.dtype, device: torch.device, timed: bool = True
 ) -> list[KernelChoice]:
     """For each weight shape, time the packed kernel against the dense GEMM at growing row counts (the
     fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins.
-    A dense copy is dropped where it never wins or does not fit in memory."""
+    A dense copy is dropped where it never wins or does not fit in memory. timed=False routes every call
+    to the packed kernel without timing anything, so the route, and the rounding, is the same on every
+    start (invariant mode: timings differ between starts, and so would the kernels chosen)."""
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None:
@@ -385,8 +387,8 @@ def choose_kernels(
     budget = _free_memory(device) * _DENSE_MEMORY_SHARE
     choices = []
     for shape, group in sorted(by_shape.items(), key=lambda item: -len(item[1]) * item[0][0] * item[0][1]):
-        limit = 0
-        for rows in probes:
+        limit = 0 if timed else probes[-1]
+        for rows in probes if timed else []:
             if not _faster_packed(group[0], torch.randn(rows, shape[1], dtype=dtype, device=device)):
                 break
             limit = rows
@@ -423,9 +425,10 @@ def make_factory(
     return LinearFactory(mode, dtype, device, source, shared=(model.get_input_embeddings().weight,))
 
 
-def settle(factory: LinearFactory, model, max_rows: int) -> list[KernelChoice]:
-    """Measure the kernels for each shape, then free the dense weights no projection reads any more."""
-    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device)
+def settle(factory: LinearFactory, model, max_rows: int, timed: bool = True) -> list[KernelChoice]:
+    """Measure the kernels for each shape (see choose_kernels for timed), then free the dense weights no
+    projection reads any more."""
+    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed)
     factory.release_unused(model)
     return choices
 

@@ -139,3 +139,17 @@ def test_seeded_sampling_equal_with_and_without_drafts_bf16(tiny_model_dir):
     spec = engine(tiny_model_dir, "bfloat16", "ngram")
     want = [plain.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+
+
+def test_invariant_mode_with_int4_weights_routes_without_timing(tiny_model_dir):
+    """Kernel routes timed at start-up differ between starts, and so would the rounding: in
+    invariant mode every int4 projection takes the packed kernel, so two engines (plain and
+    speculative) give the same bf16 tokens."""
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(tiny_model_dir, "bfloat16", quantization="int4")
+    spec = engine(tiny_model_dir, "bfloat16", "ngram", quantization="int4")
+    qkv = plain.runner.fast.layers[0][1]
+    assert qkv.packed is not None and qkv.max_packed_rows == 1 << 30 and qkv.dense is None
+    alone = [plain.generate(p, greedy)[0].token_ids for p in PROMPTS]
+    assert [spec.generate(p, greedy)[0].token_ids for p in PROMPTS] == alone
+    assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == alone
