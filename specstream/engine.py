@@ -255,25 +255,25 @@ class Engine:
         (dtype, device and processor, threads, torch, weight kernels, invariant mode, step
         sizes). Delete ~/.cache/specstream/calibration to measure again."""
         models = (cache_dir() / "models").resolve()
-        sizes = self._calibration_sizes()
-        path = Path(converted_source(source).path).resolve() if source.gguf_file else Path(source.path).resolve()
+        path = Path(converted_source(source).path).resolve()
         if models not in path.parents:
             return None
         key = json.dumps(
             [path.name, str(self.dtype), str(self.device), processor_name(self.device), torch.get_num_threads(),
-             torch.__version__, weights, self.config.deterministic, sizes, min(_CALIBRATION_CONTEXT, self.pool.capacity - sizes[-1])]
+             torch.__version__, weights, self.config.deterministic, *self._calibration_plan()]
         )
         return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
-    def _calibration_sizes(self) -> list[int]:
+    def _calibration_plan(self, pool: KVPool | None = None) -> tuple[list[int], int]:
+        """The step sizes timed, and the context (cached tokens) they are timed over."""
         top = max(self.config.max_num_batched_tokens, 1)
-        return sorted({n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= top} | {min(top, 128)})
+        sizes = sorted({n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= top} | {min(top, 128)})
+        return sizes, min(_CALIBRATION_CONTEXT, (pool or self.pool).capacity - sizes[-1])
 
     def _measure_forward(self, runner: ModelRunner) -> CostModel:
-        sizes = self._calibration_sizes()
-        table: list[int] = []
         pool = runner.pool
-        context = min(_CALIBRATION_CONTEXT, pool.capacity - sizes[-1])
+        sizes, context = self._calibration_plan(pool)
+        table: list[int] = []
         if context < 0 or not pool.reserve(table, context + sizes[-1]):
             pool.free(table)
             return CostModel([1], [1.0])
