@@ -43,7 +43,7 @@ def run_schedule(runner, seqs, steps):
             items.append(ForwardItem(tables[i], done[i], seqs[i][done[i] : done[i] + n], n))
         logits = runner.forward(items)
         row = 0
-        for (i, n), _ in zip(step, items):
+        for i, n in step:
             out[i].append(logits[row : row + n])
             row += n
             done[i] += n
