@@ -193,6 +193,23 @@ def test_greedy_output_with_the_head_is_identical_to_plain_when_the_prefix_cache
         assert not head._state and head.pool.num_free_blocks == head.pool.num_blocks
 
 
+def fresh_head_drafts(engine, seq, start: int) -> list[int]:
+    """The drafts of a new proposer over the same head, fed seq's text from position start with
+    features recomputed from scratch by the target: what a correct live cache must also draft."""
+    live = engine.proposer
+    cfg = live.head.cfg
+    fresh = EagleProposer(
+        live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
+    )
+    table = []
+    engine.pool.reserve(table, len(seq.token_ids))
+    _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
+    engine.pool.free(table)
+    twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
+    fresh.observe(twin, start, aux[start:])
+    return fresh.propose([twin], [6])[0].tokens
+
+
 def test_head_started_past_a_cached_prefix_drafts_what_a_head_fed_from_there_drafts(trained, target_dir, chats):
     engine = engine_for(target_dir, "eagle", trained[0], kv_block_size=4, enable_prefix_caching=True, k=6)
     greedy(engine, [chats[1]], max_tokens=8)
@@ -203,17 +220,7 @@ def test_head_started_past_a_cached_prefix_drafts_what_a_head_fed_from_there_dra
     live = engine.proposer
     state = live._state[seq.request_id]
     assert 0 < state.base == seq.prefix.hit_tokens
-    cfg = live.head.cfg
-    fresh = EagleProposer(
-        live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
-    )
-    table = []
-    engine.pool.reserve(table, len(seq.token_ids))
-    _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
-    engine.pool.free(table)
-    twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
-    fresh.observe(twin, state.base, aux[state.base :])
-    assert fresh.propose([twin], [6])[0].tokens == live.propose([seq], [6])[0].tokens
+    assert fresh_head_drafts(engine, seq, state.base) == live.propose([seq], [6])[0].tokens
 
 
 def test_head_kv_after_rejections_equals_a_fresh_recompute(trained, target_dir, chats):
@@ -228,17 +235,7 @@ def test_head_kv_after_rejections_equals_a_fresh_recompute(trained, target_dir, 
     live = engine.proposer
     state = live._state[seq.request_id]
     assert len(state.table) <= live.pool.blocks_for(state.fed + state.num_pending + 1)
-    cfg = live.head.cfg
-    fresh = EagleProposer(
-        live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
-    )
-    table = []
-    engine.pool.reserve(table, len(seq.token_ids))
-    _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
-    engine.pool.free(table)
-    twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
-    fresh.observe(twin, 0, aux)
-    assert fresh.propose([twin], [6])[0].tokens == live.propose([seq], [6])[0].tokens
+    assert fresh_head_drafts(engine, seq, 0) == live.propose([seq], [6])[0].tokens
 
 
 def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):

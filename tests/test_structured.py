@@ -153,6 +153,19 @@ def test_grammar_completion_finishes_with_stop_and_choice_holds(plain):
     assert out.text in ("yes", "no way") and out.finish_reason == "stop"
 
 
+def assert_only_bad_failed(plain, error: str) -> None:
+    """Run the engine dry: request "bad" ended with an error naming `error`, request "good"
+    finished valid, and every KV block came back."""
+    chunks = []
+    while plain.has_unfinished():
+        chunks += plain.step()
+    last = {c.request_id: c for c in chunks if c.finished}
+    assert last["bad"].finish_reason == "error" and error in last["bad"].error
+    assert last["good"].finish_reason == "stop"
+    check_schema_output("".join(c.text for c in chunks if c.request_id == "good"))
+    assert plain.pool.num_free_blocks == plain.pool.num_blocks
+
+
 def test_a_matcher_refusing_a_committed_token_fails_only_its_request(plain):
     bad = plain.prepare(PROMPT, schema_params(), request_id="bad")
     # A token the grammar cannot take puts the matcher in its error state, as a grammar bug
@@ -160,14 +173,7 @@ def test_a_matcher_refusing_a_committed_token_fails_only_its_request(plain):
     assert not bad.constraint.matcher.consume_token(plain.tokenizer.encode("x")[0])
     plain.submit(bad)
     plain.add_request(PROMPT, schema_params(), request_id="good")
-    chunks = []
-    while plain.has_unfinished():
-        chunks += plain.step()
-    last = {c.request_id: c for c in chunks if c.finished}
-    assert last["bad"].finish_reason == "error" and "GrammarViolation" in last["bad"].error
-    assert last["good"].finish_reason == "stop"
-    check_schema_output("".join(c.text for c in chunks if c.request_id == "good"))
-    assert plain.pool.num_free_blocks == plain.pool.num_blocks
+    assert_only_bad_failed(plain, "GrammarViolation")
 
 
 @pytest.mark.parametrize(
@@ -236,11 +242,4 @@ def test_a_mask_that_raises_fails_only_its_request(plain, monkeypatch):
         return masks(items)
 
     monkeypatch.setattr(plain.structured, "_masks", failing)
-    chunks = []
-    while plain.has_unfinished():
-        chunks += plain.step()
-    last = {c.request_id: c for c in chunks if c.finished}
-    assert last["bad"].finish_reason == "error" and "RuntimeError" in last["bad"].error
-    assert last["good"].finish_reason == "stop"
-    check_schema_output("".join(c.text for c in chunks if c.request_id == "good"))
-    assert plain.pool.num_free_blocks == plain.pool.num_blocks
+    assert_only_bad_failed(plain, "RuntimeError")
