@@ -127,16 +127,23 @@ def mask_costs(engine: Engine, cases, outputs: list[list[int]]) -> tuple[np.ndar
     for (_, schema, _), tokens in zip(cases, outputs):
         matcher = sd.compiler.compile(StructuredOutput(json_schema=schema))
         for tok in tokens:
-            start = time.perf_counter()
-            mask = sd._masks([(matcher, [])])[0]
-            mid = time.perf_counter()
-            sd._apply(row, mask)
-            end = time.perf_counter()
-            fill.append(mid - start)
-            total.append(end - start)
+            timed_mask(sd, matcher, row, fill, total)
             if not matcher.consume_token(tok) or matcher.is_stopped():
                 break
     return np.array(fill), np.array(total)
+
+
+def timed_mask(sd: StructuredDecoding, matcher, row: torch.Tensor, fill: list, total: list) -> torch.Tensor:
+    """The matcher's mask at its current state, timing the llguidance call (into fill) and the call
+    plus applying the mask to a logit row (into total)."""
+    start = time.perf_counter()
+    mask = sd._masks([(matcher, [])])[0]
+    mid = time.perf_counter()
+    sd._apply(row, mask)
+    end = time.perf_counter()
+    fill.append(mid - start)
+    total.append(end - start)
+    return mask
 
 
 def mask_costs_random_walk(cases, max_positions: int = 150, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -155,13 +162,7 @@ def mask_costs_random_walk(cases, max_positions: int = 150, seed: int = 0) -> tu
     for _, schema, _ in cases:
         matcher = sd.compiler.compile(StructuredOutput(json_schema=schema))
         for _ in range(max_positions):
-            start = time.perf_counter()
-            mask = sd._masks([(matcher, [])])[0]
-            mid = time.perf_counter()
-            sd._apply(row, mask)
-            end = time.perf_counter()
-            fill.append(mid - start)
-            total.append(end - start)
+            mask = timed_mask(sd, matcher, row, fill, total)
             allowed = np.flatnonzero(mask[0].numpy())
             if tokenizer.eos_token_id in allowed or matcher.is_stopped():
                 break
