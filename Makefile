@@ -11,10 +11,22 @@ SETUP_NGINX ?= 1
 # The playground's browser tests drive Debian's chromium through chromium-driver; setup
 # installs them the same way (root + apt only), else those tests are skipped.
 SETUP_CHROMIUM ?= 1
+# The compiled forward (torch.compile, inductor) builds C++ with g++; setup installs Debian's
+# when missing (root + apt only), else the server runs the eager forward and says so.
+SETUP_CXX ?= 1
 
-.PHONY: setup serve test nginx chromium clean-venv
+.PHONY: setup serve test nginx chromium cxx clean-venv
 
-setup: $(STAMP) nginx chromium
+setup: $(STAMP) nginx chromium cxx
+
+cxx:
+	@if [ "$(SETUP_CXX)" = 1 ] && ! command -v g++ >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) || echo "note: could not install g++"; \
+	  else \
+	    echo "note: g++ is not installed; the forward runs eager (not compiled) and its tests are skipped"; \
+	  fi; \
+	fi
 
 nginx:
 	@if [ "$(SETUP_NGINX)" = 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \

@@ -2,8 +2,9 @@
 at the step shapes that matter: a decode step (1 row), a verification (9 rows), a batch of 8 decodes
 (8 rows), a prefill chunk (256 rows), each over a 256-token context.
 
-    python benchmarks/quant_forward.py                         # bf16, modes none auto int4
+    python benchmarks/quant_forward.py                         # bf16, modes none auto int4 (eager)
     python benchmarks/quant_forward.py --modes none auto --repeats 20
+    python benchmarks/quant_forward.py --modes auto auto+compile int4 int4+compile   # the compiled forward
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"])
+    ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"],
+                    help="quantization modes, each eager or as MODE+compile (the compiled forward)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     engines = {}
     for mode in args.modes:
-        config = EngineConfig(dtype=args.dtype, quantization=mode, speculative=SpeculativeConfig(method="off"))
+        quantization, _, compiled = mode.partition("+")
+        config = EngineConfig(dtype=args.dtype, quantization=quantization, compile=compiled == "compile",
+                              speculative=SpeculativeConfig(method="off"))
         engines[mode] = Engine(config)
     tables = {}
     for mode, engine in engines.items():

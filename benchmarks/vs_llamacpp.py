@@ -14,6 +14,7 @@ drift on a shared machine falls on all of them alike. Ratios are to llama.cpp in
     python benchmarks/vs_llamacpp.py build                  # find or build llama-server, print its path
     python benchmarks/vs_llamacpp.py                        # the table (about 30 min on 2 busy cores)
     python benchmarks/vs_llamacpp.py --configs auto:off auto:ngram --num-requests 4
+    python benchmarks/vs_llamacpp.py --configs auto:off:eager auto:off auto:ngram   # compiled vs eager
 """
 
 from __future__ import annotations
@@ -137,12 +138,15 @@ def measure(server: Server, prompt_set: str, streams: int, num_requests: int, ma
 
 
 def specstream_server(config: str, threads: int) -> Server:
-    """config is QUANTIZATION:SPECULATION, e.g. auto:ngram or int4:off."""
-    quantization, method = config.split(":")
+    """config is QUANTIZATION:SPECULATION[:eager], e.g. auto:ngram, int4:off or auto:off:eager (the
+    forward not compiled: --no-compile)."""
+    quantization, method, *rest = config.split(":")
+    eager = rest == ["eager"]
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--quantization", quantization,
-           "--speculative-method", method, "--log-level", "warning"]
-    return Server(f"specstream {quantization} {'plain' if method == 'off' else method}", cmd, "smollm2-135m", port)
+           "--speculative-method", method, "--log-level", "warning", *(["--no-compile"] if eager else [])]
+    name = f"specstream {quantization} {'plain' if method == 'off' else method}{' eager' if eager else ''}"
+    return Server(name, cmd, "smollm2-135m", port)
 
 
 def llama_server(binary: Path, gguf: Path, threads: int) -> Server:
@@ -221,7 +225,7 @@ def main() -> None:
     parser.add_argument("command", nargs="?", choices=["build", "run"], default="run")
     parser.add_argument("--configs", nargs="+", default=["auto:off", "auto:ngram", "none:off", "none:ngram",
                                                          "int4:off", "int4:ngram", "int8:off"],
-                        help="specstream servers as QUANTIZATION:SPECULATION (off = plain decoding)")
+                        help="specstream servers as QUANTIZATION:SPECULATION[:eager] (off = plain decoding; eager = --no-compile)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=8, help="requests per cell (at least the streams)")
     parser.add_argument("--max-tokens", type=int, default=128)

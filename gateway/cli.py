@@ -75,6 +75,14 @@ def _add_serve(sub) -> None:
         help="batch- and speculation-invariant numerics: the same tokens whatever the batch and drafts (slower)",
     )
     a(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        default=_env("compile", "1").lower() not in ("0", "false", "no"),
+        help="run the forward eager: skip torch.compile of decode/verification steps (compiled at start-up, "
+        "cached on disk; the first start on a machine takes about 20 s more)",
+    )
+    a(
         "--allow-special-tokens-in-content",
         action="store_true",
         default=_env("allow_special_tokens_in_content", "") in ("1", "true"),
@@ -115,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         quantization=args.quantization,
         deterministic=args.deterministic,
+        compile=args.compile,
         speculative=SpeculativeConfig(
             method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,

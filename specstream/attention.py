@@ -161,26 +161,73 @@ def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, 
     for the group's n tokens, in group.rows order."""
     view = group.key_view(window, bool(ctx.q_tile))
     batch, s = view.kv_index.shape
-    t_max = group.q_index.shape[1]
-    flat = view.kv_index.reshape(-1)
-    k = keys.index_select(0, flat).view(batch, s, *keys.shape[1:]).transpose(1, 2)  # [B, kv_heads, S, d]
-    v = values.index_select(0, flat).view(batch, s, *values.shape[1:]).transpose(1, 2)
-    heads, _, d = query.shape
-    q = query.index_select(1, group.q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)  # [B, heads, T_max, d]
+    k, v = gather_keys(keys, values, view.kv_index)
+    q = gather_queries(query, group.q_index)
+    heads, t_max = q.shape[1], q.shape[2]
     tile = ctx.q_tile or t_max
     parts = []
     for s0 in range(0, t_max, tile):
         mask = None if view.mask is None else view.mask[:, :, s0 : s0 + tile]
         q_part = q[:, :, s0 : s0 + tile]
         rows = q_part.shape[2]
-        small = rows <= _EXPLICIT_MAX_ROWS and batch * heads * rows * s <= _EXPLICIT_MAX_SCORES
-        if softcap is None and sinks is None and not ctx.q_tile and not small:
+        if softcap is None and sinks is None and not ctx.q_tile and not explicit_pays(batch, heads, rows, s):
             gqa = heads != k.shape[1]
             parts.append(F.scaled_dot_product_attention(q_part, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
         else:
             parts.append(explicit_attention(q_part, k, v, mask, scaling, softcap, sinks))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, group.out_index)
+    return scatter_rows(out, group.out_index)
+
+
+def explicit_pays(batch: int, heads: int, rows: int, keys: int) -> bool:
+    """Whether explicit_attention beats SDPA for this many query rows per sequence (see above)."""
+    return rows <= _EXPLICIT_MAX_ROWS and batch * heads * rows * keys <= _EXPLICIT_MAX_SCORES
+
+
+def gather_keys(keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cached keys and values from the pool: [B, kv_heads, S, d] each."""
+    batch, s = kv_index.shape
+    flat = kv_index.reshape(-1)
+    k = keys.index_select(0, flat).view(batch, s, *keys.shape[1:]).transpose(1, 2)
+    v = values.index_select(0, flat).view(batch, s, *values.shape[1:]).transpose(1, 2)
+    return k, v
+
+
+def gather_queries(query: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
+    """The step's query rows ([heads, T, d]) laid out per sequence: [B, heads, T_max, d]."""
+    heads, _, d = query.shape
+    batch, t_max = q_index.shape
+    return query.index_select(1, q_index.reshape(-1)).view(heads, batch, t_max, d).transpose(0, 1)
+
+
+def scatter_rows(out: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+    """[B, heads, T_max, d] back to the group's packed rows: [heads, n, d]."""
+    batch, heads, t_max, d = out.shape
+    return out.transpose(0, 1).reshape(heads, batch * t_max, d).index_select(1, out_index)
+
+
+def attend_short(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_index: torch.Tensor,
+    mask: torch.Tensor | None,
+    q_index: torch.Tensor,
+    out_index: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """attend() for a step of one group of short query runs (decoding, verification) over full-context
+    layers, as a function of tensors alone, so torch.compile can fuse it into a layer (fast_llama.py):
+    write the step's keys/values ([T, kv_heads, d]) into the pool's layer tensors, attend the queries
+    ([heads, T, d]) with explicit_attention; returns [heads, T, d]."""
+    keys.index_copy_(0, slot_mapping, key)
+    values.index_copy_(0, slot_mapping, value)
+    k, v = gather_keys(keys, values, kv_index)
+    out = explicit_attention(gather_queries(query, q_index), k, v, mask, scaling, None, None)
+    return scatter_rows(out, out_index)
 
 
 def explicit_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("ngram", "auto", "eagle", "draft", "off")
@@ -74,6 +75,10 @@ class EngineConfig:
     bit-identical whatever else its step computed, so greedy output, and seeded sampling, give
     the same tokens with or without drafts and alone or in any batch, in bf16 too. Costs the
     padding of every step to fixed tiles; needs the lean Llama forward.
+    compile: torch.compile the lean forward's decode and verification steps (fast_llama.py), traced at
+    start-up and cached on disk by inductor. On by default; the environment variable
+    SPECSTREAM_COMPILE=0 turns the default off (the test suite does, to start engines fast). Ignored
+    in invariant mode and for models that run through transformers' modules.
     """
 
     model: str = "smollm2-135m"
@@ -93,6 +98,7 @@ class EngineConfig:
     chat_template: str | None = None
     quantization: str = "auto"
     deterministic: bool = False
+    compile: bool = field(default_factory=lambda: os.environ.get("SPECSTREAM_COMPILE", "1").lower() not in ("0", "false", "no"))
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

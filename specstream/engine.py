@@ -101,6 +101,7 @@ class Engine:
         if self.max_model_len > self.pool.capacity:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
         self.runner, weights = self._make_runner(source)
+        forward = self._compile()
         self.proposer = self._make_proposer()
         # [structured] grammars, forced drafts, masks; the draft model's logits are masked too
         self.structured = StructuredDecoding(
@@ -111,7 +112,7 @@ class Engine:
                 drafter.constrain = self.structured.mask_draft_logits
         target_cost = None
         if spec.enabled and spec.adaptive:
-            target_cost = self._calibrate(self.runner, self._calibration_file(source, weights))
+            target_cost = self._calibrate(self.runner, self._calibration_file(source, f"{weights}; {forward}"))
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.cost = self._calibrate(self.proposer.runner)
             elif isinstance(self.proposer, EagleProposer):
@@ -138,7 +139,7 @@ class Engine:
         if log:
             logger.info(
                 "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens; weights %s; "
-                "resident memory %.0f MiB",
+                "forward %s; resident memory %.0f MiB",
                 time.perf_counter() - start,
                 config.model,
                 self.dtype,
@@ -147,6 +148,7 @@ class Engine:
                 k_max,
                 self.pool.capacity,
                 weights,
+                forward,
                 quant.resident_bytes() / 2**20,
             )
 
@@ -186,6 +188,15 @@ class Engine:
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
         choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens, timed=not self.config.deterministic)
         return runner, quant.describe(factory, choices)
+
+    def _compile(self) -> str:
+        """The forward's compiled steps (runner.compile), after the kernel routes are settled; a line
+        for the log."""
+        if not self.config.compile:
+            return "eager"
+        if self.config.deterministic:
+            return "eager (invariant mode)"
+        return self.runner.compile()
 
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative

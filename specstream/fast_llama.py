@@ -18,7 +18,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from specstream.attention import StepContext, attend
+from specstream.attention import StepContext, attend, attend_short, explicit_pays
+from specstream.quant import Kernel, Linear, project
 
 
 def supports(model) -> bool:
@@ -46,10 +47,17 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+# The longest query run per sequence, and the most rows in a step, that take the compiled layer.
+COMPILED_MAX_RUN = 16
+COMPILED_MAX_ROWS = 16
 
 
-def dense_linear(names: list[str], weight: torch.Tensor) -> Projection:
-    return partial(F.linear, weight=weight)
+def dense_linear(names: list[str], weight: torch.Tensor) -> Linear:
+    return Linear(names, weight)
+
+
+def _call(projection: Projection, x: torch.Tensor) -> torch.Tensor:
+    return projection(x)
 
 
 class FastLlama:
@@ -87,6 +95,85 @@ class FastLlama:
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.inter = cfg.intermediate_size
+        # The compiled layer (see compile()): None until compiled.
+        self._compiled = None
+        self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
+        self.compiled_rows = 0
+        self._warming = False
+        # What a short step does when no traced graph fits it: run eager (tests make it fail instead).
+        self.unseen_shape_stance = "eager_on_recompile"
+
+    # ------------------------------------------------------------------ compiled layer
+    def compile(self) -> None:
+        """Route short steps through one torch.compile'd decoder layer.
+
+        A decode or verification step of a small model on a CPU is mostly overhead: each layer runs
+        about sixty small ops (norms, rotary, residuals, casts, attention's gathers), each dispatched from
+        Python. Compiled (inductor), a layer becomes a few fused loops around the projections' kernels.
+        The layer is one function of tensors: its weights come in as arguments (each projection as a
+        quant.Kernel), so one graph serves all layers; sizes that vary (rows, sequences, context) are
+        traced symbolically, and a graph is specialized only where a size is 1 (a lone decode step),
+        so a handful of graphs cover every short step. Steps of more than compiled_rows rows (prefill,
+        big batches) keep the eager forward, where the matmuls dominate anyway. compiled_rows is also
+        at most the smallest row count where a projection's measured route changes kernel (quant.py),
+        so a compiled graph holds exactly the kernels the eager forward would call. The graphs are
+        traced on first use; the caller warms them up (runner.py) and inductor keeps the compiled
+        code in its on-disk cache."""
+        if self.tile:
+            raise ValueError("the compiled layer does not tile: invariant mode runs eager")
+        linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
+        limits = [lin.max_packed_rows for lin in linears if lin.packed is not None and lin.dense is not None]
+        rows = min([COMPILED_MAX_ROWS, *limits])
+        if rows < 1:
+            return
+        self.compiled_rows = rows
+        self._kernels = [
+            (w_in, qkv.kernel_for(rows), o.kernel_for(rows), w_post, gate_up.kernel_for(rows), down.kernel_for(rows))
+            for w_in, qkv, o, w_post, gate_up, down in self.layers
+        ]
+        self._compiled = torch.compile(self._short_layer)
+
+    def decompile(self) -> None:
+        self._compiled, self._kernels, self.compiled_rows = None, [], 0
+
+    def _short_layer(
+        self, x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer: tuple
+    ) -> torch.Tensor:
+        """One decoder layer of a short step, as a function of tensors (what compile() traces)."""
+        n = x.shape[0]
+        q, k, v = self._qkv(layer, x, cos, sin, project)
+        out = attend_short(keys, values, slot_mapping, q.transpose(0, 1), k, v, kv_index, mask, q_index, out_index, self.scaling)
+        return self._block_out(layer, x, out.transpose(0, 1).reshape(n, self.q_size), project)
+
+    def _takes_compiled(self, ctx: StepContext, rows: int) -> bool:
+        if self._compiled is None or rows > self.compiled_rows or len(ctx.groups) != 1:
+            return False
+        batch, s = ctx.groups[0].kv_index.shape
+        run = ctx.groups[0].q_index.shape[1]
+        return run <= COMPILED_MAX_RUN and explicit_pays(batch, self.heads, run, s)
+
+    def _compiled_layers(self, x, cos, sin, ctx: StepContext, aux_layers, aux: dict) -> torch.Tensor:
+        group = ctx.groups[0]
+        view = group.key_view(None, False)
+        step = (ctx.slot_mapping, view.kv_index, view.mask, group.q_index, group.out_index)
+        if self._warming:
+            _mark_dynamic(x, cos, sin, *step)
+        pool = ctx.pool
+        for i, layer in enumerate(self._kernels):
+            if i in aux_layers:
+                aux[i] = x
+            x = self._compiled(x, cos, sin, pool.keys[i], pool.values[i], *step, layer)
+        return x
+
+    def warm_up(self, forward: Callable[[], object]) -> None:
+        """Run forward() (steps chosen by the caller to cover the graphs short steps need) with the
+        varying sizes marked dynamic, so each graph is traced once for all sizes; afterwards a step
+        that would need another graph runs eager rather than stall the server to compile it."""
+        self._warming = True
+        try:
+            forward()
+        finally:
+            self._warming = False
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -106,21 +193,22 @@ class FastLlama:
         sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
         return cos, sin
 
-    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rows in, rotated q [n, heads, d] and k, v [n, kv_heads, d] out: what attention reads."""
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, proj=_call):
+        """Rows in, rotated q [n, heads, d] and k, v [n, kv_heads, d] out: what attention reads.
+        proj(layer's projection, x) applies a projection (a Linear, or in the compiled layer a Kernel)."""
         w_in, w_qkv = layer[0], layer[1]
         n = x.shape[0]
-        q, k, v = w_qkv(self._rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = proj(w_qkv, self._rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = self._rotate(q.view(n, self.heads, self.head_dim), cos, sin)
         k = self._rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
         return q, k, v.view(n, self.kv_heads, self.head_dim)
 
-    def _block_out(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _block_out(self, layer, x: torch.Tensor, attn: torch.Tensor, proj=_call) -> torch.Tensor:
         """The rest of a decoder layer, row by row: output projection, residual, MLP, residual."""
         _, _, w_o, w_post, w_gate_up, w_down = layer
-        x = x + w_o(attn)
-        gate, up = w_gate_up(self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
-        return x + w_down(F.silu(gate) * up)
+        x = x + proj(w_o, attn)
+        gate, up = proj(w_gate_up, self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
+        return x + proj(w_down, F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms(x, self.norm)).float()
@@ -157,13 +245,34 @@ class FastLlama:
         cos, sin = self._rope(positions, x.dtype)
         t = input_ids.shape[0]
         aux = {}
+        if self._takes_compiled(ctx, t):
+            stance = "default" if self._warming else self.unseen_shape_stance
+            with torch.compiler.set_stance(stance):
+                x = self._compiled_layers(x, cos, sin, ctx, aux_layers, aux)
+            return self._finish(x, keep, aux_layers, aux)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux[i] = x
             q, k, v = self._rows(partial(self._qkv, layer), x, cos, sin)
             out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.scaling)
             x = self._rows(partial(self._block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.q_size))
+        return self._finish(x, keep, aux_layers, aux)
+
+    def _finish(self, x: torch.Tensor, keep: torch.Tensor, aux_layers: tuple[int, ...], aux: dict):
         logits = self._rows(self._logits, x[keep])
         if not aux_layers:
             return logits
         return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)
+
+
+def _mark_dynamic(x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index) -> None:
+    """Tell the tracer which sizes vary from step to step: rows, sequences, query run, context."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (x, cos, sin, slot_mapping, out_index):
+        mark(t, 0)
+    for dim in (0, 1):
+        mark(kv_index, dim)
+        mark(q_index, dim)
+    if mask is not None:
+        for dim in (0, 2, 3):
+            mark(mask, dim)

@@ -135,6 +135,24 @@ def unpermute_rows(weights: Int4Weights, heads: int) -> Int4Weights:
 
 
 # ----------------------------------------------------------------------------- kernels
+# A projection's kernel as plain data, (kind, tensor, tensor): what project() runs, and what a compiled
+# forward takes as an argument (fast_llama.py), so one traced graph serves every layer.
+Kernel = tuple[str, torch.Tensor, torch.Tensor | None]
+
+
+def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W held as kernel says: "dense" (weight), "int4" (torch's packed int4 layout and
+    the scale/zero pairs), "int8" (codes and per-channel scales)."""
+    kind, a, b = kernel
+    if kind == "dense":
+        return F.linear(x, a)
+    if kind == "int4":
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, GROUP, b)
+        return torch.ops.aten._weight_int4pack_mm(x, a, GROUP, b)
+    return torch.ops.aten._weight_int8pack_mm(x, a, b)
+
+
 class PackedInt4:
     """Int4 weights in the layout of torch's int4 weight-only kernel for their device."""
 
@@ -153,10 +171,12 @@ class PackedInt4:
             self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
         self.shape = tuple(codes.shape)
 
+    @property
+    def kernel(self) -> Kernel:
+        return ("int4", self.packed, self.scale_zeros)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
-        return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP, self.scale_zeros)
+        return project(self.kernel, x)
 
 
 def _effective_int4(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
@@ -182,8 +202,12 @@ class PackedInt8:
         self.scales = scales.to(dtype).to(device)
         self.shape = tuple(weight.shape)
 
+    @property
+    def kernel(self) -> Kernel:
+        return ("int8", self.codes, self.scales)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return project(self.kernel, x)
 
 
 class Linear:
@@ -197,10 +221,14 @@ class Linear:
         self.packed = packed
         self.max_packed_rows = 0 if packed is None else 1 << 30
 
+    def kernel_for(self, rows: int) -> Kernel:
+        """The kernel serving a call of this many rows."""
+        if self.packed is not None and rows <= self.max_packed_rows:
+            return self.packed.kernel
+        return ("dense", self.dense, None)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.max_packed_rows:
-            return self.packed(x)
-        return F.linear(x, self.dense)
+        return project(self.kernel_for(x.shape[0]), x)
 
     @property
     def shape(self) -> tuple[int, int]:

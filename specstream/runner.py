@@ -18,6 +18,9 @@ k + 1 verified tokens, in a prefill chunk or beside other sequences. The price i
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +30,9 @@ from specstream.architectures import check_architecture
 from specstream.attention import AttentionGroup, StepContext, step_context
 from specstream.fast_llama import FastLlama, dense_linear
 from specstream.kv import KVPool
-from specstream.models import ModelError
+from specstream.models import ModelError, cache_dir
+
+log = logging.getLogger("specstream.runner")
 
 
 # Rows per tile in invariant mode: one tile holds a verification step (k + 1 <= 16 by
@@ -76,6 +81,46 @@ class ModelRunner:
             self.forward([ForwardItem(table, 0, [0, 0], 1)])
         finally:
             self.pool.free(table)
+
+    def compile(self) -> str:
+        """Compile the lean forward's short steps (FastLlama.compile) and trace their graphs now, on
+        scratch blocks of the pool, so no request waits for a compile. Inductor keeps the compiled
+        code under the specstream cache (inductor/), so only the first start on a machine pays for
+        it. Where compiling fails (no C++ compiler, say), the forward stays eager and the log says why.
+        Returns what the forward runs, for the start-up log (and the calibration cache's key)."""
+        if self.fast is None:
+            return "eager (transformers modules)"
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        start = time.perf_counter()
+        tables: list[list[int]] = [[], []]
+        try:
+            self.fast.compile()
+            rows = self.fast.compiled_rows
+            if not rows:
+                return "eager (no step shape to compile)"
+            if not all(self.pool.reserve(t, 40) for t in tables):
+                raise RuntimeError("the KV pool has no room for the warm-up steps")
+            # One step per graph a short step needs: sizes of 1 are specialized, so a lone decode step,
+            # one sequence's verification, a batch of decode steps and a batch of verifications differ.
+            # Sizes are distinct (rows, sequences, query run, context) so none is traced as equal to another.
+            a, b = tables
+            steps = [
+                [ForwardItem(a, 37, [0], 1)],
+                [ForwardItem(a, 37, [0] * 3, 3)],
+                [ForwardItem(a, 37, [0], 1), ForwardItem(b, 29, [0], 1)],
+                [ForwardItem(a, 37, [0] * 3, 3), ForwardItem(b, 29, [0] * 2, 2)],
+            ]
+            steps = [s for s in steps if sum(len(i.tokens) for i in s) <= rows]
+            self.fast.warm_up(lambda: [self.forward(s) for s in steps])
+        except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the eager forward serving
+            self.fast.decompile()
+            log.warning("compiling the forward failed, serving eager: %s: %s", type(exc).__name__, exc)
+            return f"eager (compile failed: {type(exc).__name__})"
+        finally:
+            for t in tables:
+                self.pool.free(t)
+        log.info("compiled the forward's steps of <= %d rows: %d step shapes in %.1f s", rows, len(steps), time.perf_counter() - start)
+        return f"compiled (steps of <= {rows} rows)"
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):

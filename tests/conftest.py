@@ -4,9 +4,14 @@ bundled default model for the few integration tests that need it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Engines start eager here (compiling each tiny model's forward would add seconds to every engine);
+# tests/test_compile.py turns compile on where it tests it.
+os.environ.setdefault("SPECSTREAM_COMPILE", "0")
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,0 +1,151 @@
+"""The compiled forward (EngineConfig.compile, FastLlama.compile): short steps run one
+torch.compile'd decoder layer per layer. It must give the tokens the eager forward gives, cover
+every short step with the graphs traced at start-up (no compile while serving), leave long steps
+eager, and fall back to eager where compiling fails."""
+
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.runner import ForwardItem
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="no g++: inductor cannot build the compiled forward (make setup installs it)"
+)
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "Paris",
+    [{"role": "user", "content": "Hello! How can I help you today?"}],
+]
+
+
+def make_engine(model_dir, compile, dtype="float32", method="ngram", **kw):
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=6)
+    return Engine(EngineConfig(model=str(model_dir), dtype=dtype, compile=compile, speculative=spec, **kw), log=False)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir):
+    return make_engine(tiny_model_dir, compile=True)
+
+
+def test_compiled_greedy_tokens_equal_eager_alone_and_batched(tiny_model_dir, compiled):
+    assert compiled.runner.fast.compiled_rows > 0
+    eager = make_engine(tiny_model_dir, compile=False)
+    assert eager.runner.fast.compiled_rows == 0
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [eager.generate(p, greedy)[0].token_ids for p in PROMPTS]
+    assert [compiled.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
+    assert [o.token_ids for o in compiled.generate(PROMPTS, greedy)] == want
+    # Verified runs went through the compiled layer: drafts were accepted.
+    assert compiled.metrics.num_accepted_tokens._value.get() > 0
+
+
+def _step(runner, shape):
+    """A forward over len(shape) sequences, each with its (context, new tokens)."""
+    tables = []
+    for context, n in shape:
+        table: list[int] = []
+        assert runner.pool.reserve(table, context + n)
+        tables.append(table)
+    try:
+        items = [ForwardItem(t, c, [5] * n, n) for t, (c, n) in zip(tables, shape)]
+        return runner.forward(items)
+    finally:
+        for t in tables:
+            runner.pool.free(t)
+
+
+def test_the_start_up_graphs_cover_every_short_step(compiled):
+    """No step of up to compiled_rows rows needs a graph the warm-up did not trace: any context
+    length, any number of sequences, any run length up to the limit, any mix."""
+    runner = compiled.runner
+    rows = runner.fast.compiled_rows
+    runner.fast.unseen_shape_stance = "fail_on_recompile"  # raises where a step would need a new graph
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, rows)], [(3, 1)] * rows, [(40, 2), (90, 1), (7, 5)],
+                      [(100, 4), (12, 4)], [(1, 1), (500, 1)]):
+            if sum(n for _, n in shape) <= rows:
+                _step(runner, shape)
+    finally:
+        runner.fast.unseen_shape_stance = "eager_on_recompile"
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_layer_matches_eager_logits_on_each_step_shape(tiny_model_dir, compiled):
+    eager = make_engine(tiny_model_dir, compile=False).runner
+    for shape in ([(12, 1)], [(12, 6)], [(12, 1), (30, 1)], [(12, 3), (30, 2), (2, 1)]):
+        torch.testing.assert_close(_step(compiled.runner, shape), _step(eager, shape), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, monkeypatch):
+    """bf16 with int4 weights: the graph holds torch's packed int4 kernel, and its logits match the
+    eager forward's within bf16 rounding (fusion keeps float32 between ops where eager rounds)."""
+    from specstream import quant
+
+    monkeypatch.setattr(quant, "_faster_packed", lambda *args: True)  # route every size to the packed kernel
+    engine = make_engine(tiny_model_dir, compile=True, dtype="bfloat16", quantization="int4", method="off")
+    fast = engine.runner.fast
+    assert fast.compiled_rows > 0 and {k[0] for layer in fast._kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {"int4"}
+    out = _step(engine.runner, [(20, 3)])
+    fast_compiled = fast._compiled
+    fast._compiled = None  # the same weights, eager
+    try:
+        want = _step(engine.runner, [(20, 3)])
+    finally:
+        fast._compiled = fast_compiled
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=0.05, atol=0.15)
+
+
+def test_long_steps_stay_eager(compiled):
+    fast = compiled.runner.fast
+    calls = {"n": 0}
+    real = fast._compiled
+
+    def counted(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    fast._compiled = counted
+    try:
+        _step(compiled.runner, [(0, fast.compiled_rows + 1)])
+        assert calls["n"] == 0
+        _step(compiled.runner, [(0, 1)])
+        assert calls["n"] == len(fast.layers)
+    finally:
+        fast._compiled = real
+
+
+def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, monkeypatch, caplog):
+    from specstream.fast_llama import FastLlama
+
+    def broken(self, *args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(FastLlama, "_short_layer", broken)
+    engine = make_engine(tiny_model_dir, compile=True, method="off")
+    assert engine.runner.fast.compiled_rows == 0 and engine.runner.fast._compiled is None
+    assert "compiling the forward failed" in caplog.text and "no C++ compiler" in caplog.text
+    assert len(engine.generate("Paris", SamplingParams(max_tokens=5, temperature=0))[0].token_ids) == 5
+
+
+def test_compile_defaults_and_invariant_mode(tiny_model_dir, monkeypatch):
+    from gateway.cli import build_parser
+
+    monkeypatch.setenv("SPECSTREAM_COMPILE", "1")
+    assert EngineConfig().compile is True
+    assert build_parser().parse_args(["serve"]).compile is True
+    assert build_parser().parse_args(["serve", "--no-compile"]).compile is False
+    monkeypatch.setenv("SPECSTREAM_COMPILE", "0")
+    assert EngineConfig().compile is False
+    assert build_parser().parse_args(["serve"]).compile is False
+    # Invariant mode tiles every step: it stays eager.
+    engine = make_engine(tiny_model_dir, compile=True, method="off", deterministic=True)
+    assert engine.runner.fast._compiled is None
