@@ -4,13 +4,14 @@ and unknown fields are 400s; features we do not implement are named in the error
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway import tools as tool_format
 from gateway.errors import APIError
-from specstream import SamplingParams, StructuredOutput
+from specstream import ChatPrompt, SamplingParams, StructuredOutput
 
 # Static bounds, checked before anything reaches the engine (which also checks top_k against
 # its vocabulary, and prompt + max_tokens against its context).
@@ -333,15 +334,29 @@ class ChatCompletionRequest(_SamplingFields):
             return tool_format.tool_grammar(self.tool_dicts(), choice, self.parallel_tool_calls)
         return super().structured()
 
-    def chat_messages(self) -> list[dict]:
+    def chat_messages(self, template_calls_tools: bool = False) -> list[dict] | ChatPrompt:
+        """The conversation for the engine. With tools in play (definitions offered, or earlier tool
+        calls and results in the messages) and a chat template that renders tools itself in the
+        <tool_call> format (template_calls_tools), a ChatPrompt for the template; else plain messages,
+        tools rendered in gateway/tools.py's default format."""
         messages = []
         for i, m in enumerate(self.messages):
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             if m.tool_calls:
                 message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
         if not any("tool_calls" in m or m["role"] == "tool" for m in messages) and self.tool_mode is None:
             return messages
+        if template_calls_tools:  # [structured] the template's own tool format
+            for i, m in enumerate(messages):
+                for j, call in enumerate(m.get("tool_calls", ())):
+                    call["function"]["arguments"] = _arguments_object(
+                        call["function"]["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments"
+                    )
+            tools = self.tool_dicts() if self.tool_mode is not None else None
+            return ChatPrompt(messages, tools)
         return tool_format.render_messages(messages, self.tool_dicts(), self.tool_choice)  # [structured]
 
     @property
@@ -392,3 +407,14 @@ def parse(model: type[BaseModel], data: Any):
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc) from None
         raise APIError(400, f"Invalid value for '{loc}': {err['msg']}", param=loc) from None
+
+
+def _arguments_object(arguments: str, where: str) -> dict:
+    """A tool call's arguments (a JSON string in OpenAI's API) as the object chat templates render."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        raise APIError(400, f"{where} must be a JSON object (as a string)", param=where) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where} must be a JSON object (as a string)", param=where)
+    return value

@@ -16,7 +16,7 @@ class ServingChat(OpenAIServing):
     prompt_param = "messages"
 
     def __init__(self, state: ServingState, req: ChatCompletionRequest) -> None:
-        super().__init__(state, req, [req.chat_messages()], choices_per_prompt=req.n)
+        super().__init__(state, req, [req.chat_messages(state.engine.template_calls_tools)], choices_per_prompt=req.n)
         self.req: ChatCompletionRequest = req
         # [structured] per choice: tool-call deltas parsed from the streamed reply (None without tools)
         self.parsers = {i: tool_format.parser_for(req.tool_mode) for i in range(req.n)}

@@ -9,6 +9,7 @@ from specstream.eagle import check_draft_head
 from specstream.train_draft import TrainConfig, train_draft
 from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed, SpecstreamError
 from specstream.outputs import RequestOutput, StreamChunk, Usage
+from specstream.processor import ChatPrompt, template_calls_tools
 from specstream.sampling import SamplingParams
 from specstream.sequence import SpecStats
 from specstream.structured import JSON_OPTIONS, StructuredOutput
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MODEL",
+    "ChatPrompt",
     "Engine",
     "EngineConfig",
     "ModelError",
@@ -41,5 +43,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "resolve_model",
+    "template_calls_tools",
     "__version__",
 ]

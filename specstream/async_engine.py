@@ -35,7 +35,7 @@ from specstream.config import EngineConfig
 from specstream.engine import Engine
 from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed
 from specstream.outputs import RequestOutput, StreamChunk
-from specstream.processor import InputProcessor
+from specstream.processor import InputProcessor, template_calls_tools
 from specstream.sampling import SamplingParams
 from specstream.sequence import Sequence, SpecStats
 
@@ -169,6 +169,13 @@ class AsyncEngine:
         return self._dead
 
     # The narrow surface the gateway uses (like vLLM's EngineClient); valid once ready.
+    @property
+    def template_calls_tools(self) -> bool:
+        """Whether the model's chat template renders tools itself, in the <tool_call> format
+        (processor.template_calls_tools), so chat with tools goes to it as a ChatPrompt; False
+        until the model is loaded."""
+        return self._processor is not None and template_calls_tools(self._processor.tokenizer)
+
     @property
     def tokenizer(self):
         """The tokenizer thread's own instance (never the engine thread's); safe for the

@@ -45,7 +45,7 @@ from specstream.models import (
     resolve_model,
 )
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
-from specstream.processor import InputProcessor
+from specstream.processor import ChatPrompt, InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
 from specstream.runner import INVARIANT_TILE, ForwardItem, ModelRunner
 from specstream.sampling import SamplingParams
@@ -577,8 +577,8 @@ class Engine:
     # ---------------------------------------------------------------------- generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion. prompts: one prompt or a list (strings, token-id
-        lists, chat message lists); params: one for all or one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        lists, chat message lists, ChatPrompts); params: one for all or one per prompt."""
+        if isinstance(prompts, (str, ChatPrompt)) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):

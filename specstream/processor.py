@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,30 @@ PROMPT_CHARS_PER_TOKEN = 32
 # Characters each chat message counts for on top of its role and content (the template's
 # markup around it), so a flood of empty messages is bounded too.
 MESSAGE_OVERHEAD_CHARS = 16
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation with tools, rendered by the model's own chat template in its own tool format.
+
+    messages: dicts with a string "role" and "content"; an assistant message may carry "tool_calls"
+    ([{"id": str, "type": "function", "function": {"name": str, "arguments": dict}}], content then
+    may be empty) and a "tool" message a "tool_call_id". tools: OpenAI tool definitions, handed to
+    the template (None: no tools offered this turn). See template_calls_tools for which templates."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+def template_calls_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tool definitions itself and has the model write
+    a call as <tool_call>{"name": ..., "arguments": ...}</tool_call> (the Hermes format of Qwen 2.5
+    and 3, SmolLM3, Hermes 2/3 and others): the format gateway/tools.py parses and holds the output
+    to. A template with another tool format, or none, gets the gateway's default rendering."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template and "<tool_call>" in template
 
 
 @dataclass
@@ -95,7 +120,9 @@ class InputProcessor:
             self._check_chars(len(prompt))
             ids = self.tokenizer.encode(_valid_text(prompt))
         elif _is_chat(prompt):
-            ids = self._encode_chat(prompt)
+            ids = self._encode_chat(list(prompt))
+        elif isinstance(prompt, ChatPrompt):
+            ids = self._encode_chat(list(prompt.messages), prompt.tools)
         elif isinstance(prompt, (list, tuple)):
             ids = self._token_ids(prompt)
         else:
@@ -107,19 +134,38 @@ class InputProcessor:
         self._check_tokens(len(ids))
         return ids
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         chars = 0
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise InvalidRequestError("tools must be a list of tool definitions", param="tools")
+            chars += len(json.dumps(tools, ensure_ascii=False))
+            self._check_chars(chars)
         for m in messages:
+            if not isinstance(m, dict):
+                raise InvalidRequestError("each chat message must be an object", param="prompt")
             role, content = m.get("role"), m.get("content")
+            calls = m.get("tool_calls")
+            if calls is not None:
+                _check_tool_calls(calls)
+                chars += len(json.dumps(calls, ensure_ascii=False))
+                content = "" if content is None else content  # a message of tool calls alone
             if not isinstance(role, str) or not isinstance(content, str):
                 raise InvalidRequestError(
                     "each chat message needs a string 'role' and a string 'content'", param="prompt"
                 )
             chars += len(role) + len(content) + MESSAGE_OVERHEAD_CHARS
             self._check_chars(chars)
+        messages = [{**m, "content": m.get("content") or ""} for m in messages]
         for m in messages:
             _valid_text(m["role"])
             _valid_text(m["content"])
+        if tools is not None and not template_calls_tools(self.tokenizer):
+            raise InvalidRequestError(
+                "this model's chat template does not render tools in the <tool_call> format; send the "
+                "conversation as plain messages (the gateway renders tools in its default format)",
+                param="tools",
+            )
         if not self.tokenizer.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template, so it cannot take chat messages; start it with "
@@ -128,7 +174,8 @@ class InputProcessor:
             )
         try:
             ids = self.tokenizer.apply_chat_template(
-                list(messages),
+                messages,
+                **({"tools": tools} if tools else {}),
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
@@ -181,6 +228,24 @@ class InputProcessor:
                 code="context_length_exceeded",
             )
         return params.max_tokens
+
+
+def _check_tool_calls(calls) -> None:
+    """An assistant message's tool calls, in the shape chat templates read."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), dict)
+        for c in calls
+    )
+    if not ok:
+        raise InvalidRequestError(
+            "tool_calls must be a list of {'id', 'type': 'function', 'function': {'name': str, 'arguments': dict}}",
+            param="prompt",
+        )
+    for c in calls:
+        _valid_text(json.dumps(c, ensure_ascii=False))
 
 
 def _is_chat(prompt) -> bool:
