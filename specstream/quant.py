@@ -42,7 +42,7 @@ _PROBE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # A dense copy is kept only while all copies together take at most this share of the free memory.
 _DENSE_MEMORY_SHARE = 0.25
 # Bumped when the layout of the on-disk int4 cache changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 log = logging.getLogger("specstream.quant")
 
@@ -79,14 +79,50 @@ class Int4Weights:
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")))
 
 
-def read_gguf_int4(path: str | Path, names: list[str]) -> dict[str, Int4Weights]:
-    """The Q4_0/Q4_1 tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
+@dataclass
+class Int8Blocks:
+    """Symmetric 8-bit weights, GGUF Q8_0's form: w[n, k] = scales[n, g] * codes[n, k], g = k // 32.
+
+    No CPU kernel reads 8-bit codes with a scale per block of 32, but two 4-bit planes hold them exactly:
+    with c = 16 hi + lo (hi = c >> 4 in -8..7, lo = c & 15 in 0..15), w = 16 d hi + d lo, and each term is
+    an affine 4-bit weight (codes hi + 8, scale 16 d, minimum -128 d; codes lo, scale d, minimum 0). The
+    int4 kernel runs once per plane and the two outputs add up: the same bytes per weight as the file
+    (one), where a dense bf16 copy reads two."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K // 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.repeat_interleave(GROUP, dim=1)
+
+    def planes(self) -> list[Int4Weights]:
+        hi, lo = self.codes.to(torch.int16) >> 4, self.codes.to(torch.int16) & 15
+        d = self.scales
+        return [
+            Int4Weights((hi + 8).to(torch.uint8), 16 * d, -128 * d),
+            Int4Weights(lo.to(torch.uint8), d, torch.zeros_like(d)),
+        ]
+
+
+# A source's own weights for one parameter, as read from its GGUF file.
+SourceWeights = Int4Weights | Int8Blocks
+
+
+def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeights]:
+    """The Q4_0/Q4_1 and Q8_0 tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     wanted = set(names)
-    out = {}
+    out: dict[str, SourceWeights] = {}
     for tensor in GGUFReader(path).tensors:
         if tensor.name not in wanted:
+            continue
+        rows = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+        if tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            blocks = np.asarray(tensor.data).reshape(rows, -1, 34)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+            out[tensor.name] = Int8Blocks(torch.from_numpy(codes), torch.from_numpy(d))
             continue
         if tensor.tensor_type == GGMLQuantizationType.Q4_1:
             block_bytes, has_min = 20, True
@@ -94,7 +130,6 @@ def read_gguf_int4(path: str | Path, names: list[str]) -> dict[str, Int4Weights]
             block_bytes, has_min = 18, False
         else:
             continue
-        rows = int(tensor.shape[-1])  # GGUF lists dimensions innermost first
         blocks = np.asarray(tensor.data).reshape(rows, -1, block_bytes)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * d
@@ -135,53 +170,74 @@ def unpermute_rows(weights: Int4Weights, heads: int) -> Int4Weights:
 
 
 # ----------------------------------------------------------------------------- kernels
-# A projection's kernel as plain data, (kind, tensor, tensor): what project() runs, and what a compiled
-# forward takes as an argument (fast_llama.py), so one traced graph serves every layer.
-Kernel = tuple[str, torch.Tensor, torch.Tensor | None]
+# A projection's kernel as plain data, (kind, *tensors): what project() runs, and what a compiled forward
+# takes as an argument (fast_llama.py), so one traced graph serves every layer.
+Kernel = tuple
 
 
 def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T with W held as kernel says: "dense" (weight), "int4" (torch's packed int4 layout and
-    the scale/zero pairs), "int8" (codes and per-channel scales)."""
-    kind, a, b = kernel
+    the scale/zero pairs), "int4x2" (two such planes, summed: 8-bit blocks), "int8" (codes and
+    per-channel scales)."""
+    kind, a, b, *planes = kernel
     if kind == "dense":
         return F.linear(x, a)
-    if kind == "int4":
-        if x.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, GROUP, b)
-        return torch.ops.aten._weight_int4pack_mm(x, a, GROUP, b)
-    return torch.ops.aten._weight_int8pack_mm(x, a, b)
+    if kind == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x, a, b)
+    y = _int4_mm(x, a, b)
+    if kind == "int4x2":
+        y = y + _int4_mm(x, *planes)
+    return y
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scale_zeros)
 
 
 class PackedInt4:
-    """Int4 weights in the layout of torch's int4 weight-only kernel for their device."""
+    """Int4 weights in the layout of torch's int4 weight-only kernel for their device: one plane, or the
+    two planes of 8-bit blocks (Int8Blocks), whose products add up."""
 
     bits = 4
 
-    def __init__(self, weights: Int4Weights, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, weights: Int4Weights | list[Int4Weights], dtype: torch.dtype, device: torch.device) -> None:
+        planes = weights if isinstance(weights, list) else [weights]
+        self.planes = [self._pack(p, dtype, device) for p in planes]
+        self.shape = tuple(planes[0].codes.shape)
+
+    @staticmethod
+    def _pack(weights: Int4Weights, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         codes = weights.codes.to(device)
         zeros = weights.mins + 8 * weights.scales
         # [K // 32, N, 2]: scale and zero of each group and output, in the activation dtype.
-        self.scale_zeros = torch.stack([weights.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous().to(device)
+        scale_zeros = torch.stack([weights.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous().to(device)
         if device.type == "cpu":
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        else:  # CUDA tinygemm (untested here: no GPU on the development machine)
-            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
-            inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
-        self.shape = tuple(codes.shape)
+            return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1), scale_zeros
+        # CUDA tinygemm (untested here: no GPU on the development machine)
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+        inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles), scale_zeros
 
     @property
     def kernel(self) -> Kernel:
-        return ("int4", self.packed, self.scale_zeros)
+        kind = "int4" if len(self.planes) == 1 else "int4x2"
+        return (kind, *(t for plane in self.planes for t in plane))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for plane in self.planes for t in plane)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
 
 
-def _effective_int4(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
+def _effective_int4(weights: Int4Weights | list[Int4Weights], dtype: torch.dtype) -> torch.Tensor:
     """float32 [N, K]: the weights the int4 kernel multiplies by, (c - 8) * scale + zero, with scale and
-    zero as stored in `dtype`."""
+    zero as stored in `dtype` (summed over the planes of 8-bit blocks)."""
+    if isinstance(weights, list):
+        return sum(_effective_int4(p, dtype) for p in weights)
     scales = weights.scales.to(dtype).float()
     zeros = (weights.mins + 8 * weights.scales).to(dtype).float()
     codes = weights.codes.float() - 8
@@ -237,7 +293,7 @@ class Linear:
     def nbytes(self) -> int:
         size = 0 if self.dense is None else self.dense.nbytes
         if isinstance(self.packed, PackedInt4):
-            size += self.packed.packed.nbytes + self.packed.scale_zeros.nbytes
+            size += self.packed.nbytes
         elif isinstance(self.packed, PackedInt8):
             size += self.packed.codes.nbytes + self.packed.scales.nbytes
         return size
@@ -247,15 +303,15 @@ class Linear:
 class LinearFactory:
     """Builds the lean forward's projections for one quantization mode (FastLlama's `linear` argument).
 
-    `source_int4` maps parameter names to the source's own 4-bit weights (from its GGUF file); `heads` and
-    `kv_heads` undo GGUF's q/k row order."""
+    `source_int4` maps parameter names to the source's own low-bit weights (from its GGUF file: 4-bit
+    blocks, and 8-bit blocks served as two 4-bit planes)."""
 
     def __init__(
         self,
         mode: str,
         dtype: torch.dtype,
         device: torch.device,
-        source_int4: dict[str, Int4Weights] | None = None,
+        source_int4: dict[str, SourceWeights] | None = None,
         shared: tuple[torch.Tensor, ...] = (),
     ) -> None:
         if mode not in QUANTIZATION_MODES:
@@ -278,11 +334,10 @@ class LinearFactory:
         return linear
 
     def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
-        source = [self.source_int4.get(n) for n in names]
-        from_source = all(s is not None for s in source)
+        int4 = _source_planes([self.source_int4.get(n) for n in names])
         groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
-        if self.mode == "int4" and groupable or self.mode == "auto" and from_source:
-            int4 = Int4Weights.cat(source) if from_source else Int4Weights.quantize(weight)
+        if self.mode == "int4" and groupable or self.mode == "auto" and int4 is not None:
+            int4 = int4 or Int4Weights.quantize(weight)
             packed = PackedInt4(int4, self.dtype, self.device)
             effective = _effective_int4(int4, self.dtype)
         elif self.mode == "int8":
@@ -310,8 +365,21 @@ class LinearFactory:
         return [lin for lin in self.built if lin.packed is not None]
 
 
-def source_int4_weights(gguf_path: str | Path, config) -> dict[str, Int4Weights]:
-    """The 4-bit weights of a Llama GGUF file, keyed by transformers' parameter names, in its row order.
+def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
+    """The int4 form of the source weights of one projection (several parameters fused along N): one
+    plane for 4-bit blocks, two for one 8-bit tensor; None where a part has no source blocks, or mixes
+    4- and 8-bit ones."""
+    if not source or any(s is None for s in source):
+        return None
+    if all(isinstance(s, Int4Weights) for s in source):
+        return Int4Weights.cat(source)
+    if len(source) == 1:
+        return source[0].planes()
+    return None
+
+
+def source_int4_weights(gguf_path: str | Path, config) -> dict[str, SourceWeights]:
+    """The 4- and 8-bit block weights of a Llama GGUF file, keyed by transformers' parameter names, in its row order.
     Cached on disk: GGUFReader parses the whole tokenizer metadata (tens of seconds on 2 busy cores)."""
     from specstream.models import cache_dir
 
@@ -325,11 +393,14 @@ def source_int4_weights(gguf_path: str | Path, config) -> dict[str, Int4Weights]
     return weights
 
 
-def _save_int4(weights: dict[str, Int4Weights], path: Path) -> None:
+def _save_int4(weights: dict[str, SourceWeights], path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
     for name, w in weights.items():
+        if isinstance(w, Int8Blocks):
+            tensors[f"{name}.q8codes"], tensors[f"{name}.q8scales"] = w.codes, w.scales
+            continue
         tensors[f"{name}.codes"] = w.codes[:, 0::2] | w.codes[:, 1::2] << 4
         tensors[f"{name}.scales"], tensors[f"{name}.mins"] = w.scales, w.mins
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,26 +409,32 @@ def _save_int4(weights: dict[str, Int4Weights], path: Path) -> None:
     partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
 
 
-def _load_int4(path: Path) -> dict[str, Int4Weights]:
+def _load_int4(path: Path) -> dict[str, SourceWeights]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
-    out = {}
+    out: dict[str, SourceWeights] = {}
     for key in tensors:
-        if key.endswith(".codes"):
+        if key.endswith(".q8codes"):
+            name = key[: -len(".q8codes")]
+            out[name] = Int8Blocks(tensors[key], tensors[f"{name}.q8scales"])
+        elif key.endswith(".codes"):
             name, pairs = key[: -len(".codes")], tensors[key]
             codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
             out[name] = Int4Weights(codes, tensors[f"{name}.scales"], tensors[f"{name}.mins"])
     return out
 
 
-def _read_llama_int4(gguf_path: Path, config) -> dict[str, Int4Weights]:
+def _read_llama_int4(gguf_path: Path, config) -> dict[str, SourceWeights]:
     names = {}
     for i in range(config.num_hidden_layers):
         for hf in _LLAMA_GGUF_NAMES:
             names[f"blk.{i}.{_LLAMA_GGUF_NAMES[hf]}.weight"] = f"model.layers.{i}.{hf}.weight"
     names["output.weight"] = "lm_head.weight"
-    found = read_gguf_int4(gguf_path, list(names))
+    found = read_gguf_blocks(gguf_path, [*names, "token_embd.weight"])
+    embedding = found.pop("token_embd.weight", None)
+    if "output.weight" not in found and embedding is not None and getattr(config, "tie_word_embeddings", False):
+        found["output.weight"] = embedding  # a tied LM head is the embedding, as stored
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     out = {}
     for gguf, weights in found.items():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, quant
-from specstream.quant import Int4Weights, Linear, LinearFactory, PackedInt4, PackedInt8
+from specstream.quant import Int4Weights, Int8Blocks, Linear, LinearFactory, PackedInt4, PackedInt8
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -32,6 +32,22 @@ def test_int4_kernel_multiplies_by_c_minus_8_times_scale_plus_zero_exactly_in_fl
     seen = packed(torch.eye(weights.codes.shape[1])).t()
     assert torch.equal(seen, weights.dequantize())
     assert torch.equal(seen, quant._effective_int4(weights, torch.float32))
+
+
+def test_8bit_blocks_as_two_int4_planes_are_exact_in_float32():
+    """GGUF Q8_0 (w = d * c, c in -128..127, d float16 per 32 weights) served by the int4 kernel twice:
+    c = 16 hi + lo, and the two planes' products add up to the file's weights bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (64, 128), generator=gen, dtype=torch.int8)
+    codes[0, :4] = torch.tensor([-128, 127, -1, 0], dtype=torch.int8)
+    blocks = Int8Blocks(codes, (torch.rand(64, 4, generator=gen) * 0.01 + 1e-4).half().float())
+    packed = PackedInt4(blocks.planes(), torch.float32, torch.device("cpu"))
+    assert packed.kernel[0] == "int4x2"
+    seen = packed(torch.eye(128)).t()
+    assert torch.equal(seen, blocks.dequantize())
+    assert torch.equal(quant._effective_int4(blocks.planes(), torch.float32), blocks.dequantize())
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(packed(x), x @ blocks.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 
 def test_int4_kernel_in_bfloat16_reads_bfloat16_scales():
@@ -132,7 +148,9 @@ def test_gguf_int4_blocks_are_the_files_weights_bit_for_bit(default_model_source
     model = load_model(default_model_source)  # float32, dequantized from the same file by gguf-py
     source = quant.source_int4_weights(gguf_file(default_model_source), model.config)
     params = dict(model.named_parameters())
-    assert len(source) == 7 * model.config.num_hidden_layers
+    params["lm_head.weight"] = model.get_output_embeddings().weight  # tied: the Q8_0 embedding
+    assert len(source) == 7 * model.config.num_hidden_layers + 1
+    assert isinstance(source["lm_head.weight"], Int8Blocks)
     for name, weights in source.items():
         assert torch.equal(weights.dequantize(), params[name]), name
     o_proj = "model.layers.0.self_attn.o_proj.weight"
