@@ -6,8 +6,10 @@ views shared with the model's own parameters, so memory is not duplicated). Each
 is a callable made by `linear(names, weight)`: F.linear on the weight by default, or
 quant.py's packed low-bit weights. On CPU the step of a small model is dominated by this
 overhead, so the packed forward takes it when the model qualifies and falls back to the
-transformers modules (through the registered attention function) otherwise. Depends on the
-layout of transformers' Llama modules; this file and attention.py are the only ones that do.
+transformers modules (through the registered attention function) otherwise. Short steps
+(decoding, verification) can run one torch.compile'd layer per layer instead (compile()).
+Depends on the layout of transformers' Llama modules; this file and attention.py are the only
+ones that do.
 """
 
 from __future__ import annotations
