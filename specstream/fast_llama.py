@@ -52,6 +52,13 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer.
 COMPILED_MAX_RUN = 16
 COMPILED_MAX_ROWS = 16
+# Layers per compiled call (at most; a divisor of the layer count). Each call of a compiled function
+# costs dispatch (guards, wrappers: about 0.1 ms here), so more layers per call cut it, while compile
+# time grows with the layers a graph unrolls. Measured on the bundled model (30 layers, 2 threads, a
+# 1-row step; first start's compile / later starts' / step): 1 layer 10 s / 5.4 s / 12.5 ms, 3 layers
+# 32 s / 7.5 s / 10.6-11.5 ms, 5 layers 44 s / 9.0 s / 11.2 ms, 10 layers 75 s / - / 10.5 ms. One layer
+# keeps a restart under 10 s (the engine is ready in about 8.4 s, against 12 s with 3 layers).
+LAYERS_PER_GRAPH = 1
 
 
 def dense_linear(names: list[str], weight: torch.Tensor) -> Linear:
@@ -100,6 +107,7 @@ class FastLlama:
         # The compiled layer (see compile()): None until compiled.
         self._compiled = None
         self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
+        self._spans: list[range] = []  # the layers each compiled call runs
         self.compiled_rows = 0
         self._warming = False
         # What a short step does when no traced graph fits it: run eager (tests make it fail instead).
@@ -113,7 +121,7 @@ class FastLlama:
         about sixty small ops (norms, rotary, residuals, casts, attention's gathers), each dispatched from
         Python. Compiled (inductor), a layer becomes a few fused loops around the projections' kernels.
         The layer is one function of tensors: its weights come in as arguments (each projection as a
-        quant.Kernel), so one graph serves all layers; sizes that vary (rows, sequences, context) are
+        quant.Kernel), so one graph serves all layers (LAYERS_PER_GRAPH of them per call); sizes that vary (rows, sequences, context) are
         traced symbolically, and a graph is specialized only where a size is 1 (a lone decode step),
         so a handful of graphs cover every short step. Steps of more than compiled_rows rows (prefill,
         big batches) keep the eager forward, where the matmuls dominate anyway. compiled_rows is also
@@ -133,10 +141,21 @@ class FastLlama:
             (w_in, qkv.kernel_for(rows), o.kernel_for(rows), w_post, gate_up.kernel_for(rows), down.kernel_for(rows))
             for w_in, qkv, o, w_post, gate_up, down in self.layers
         ]
-        self._compiled = torch.compile(self._short_layer)
+        per_call = max(g for g in range(1, LAYERS_PER_GRAPH + 1) if len(self.layers) % g == 0)
+        self._spans = [range(i, i + per_call) for i in range(0, len(self.layers), per_call)]
+        self._compiled = torch.compile(self._short_layers)
 
     def decompile(self) -> None:
-        self._compiled, self._kernels, self.compiled_rows = None, [], 0
+        self._compiled, self._kernels, self._spans, self.compiled_rows = None, [], [], 0
+
+    def _short_layers(self, x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index, layers: tuple) -> tuple:
+        """Consecutive decoder layers of a short step (layers: (keys, values, weights) of each); returns
+        the residual stream after each, so a draft head can read the ones it needs."""
+        outs = []
+        for keys, values, layer in layers:
+            x = self._short_layer(x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer)
+            outs.append(x)
+        return tuple(outs)
 
     def _short_layer(
         self, x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer: tuple
@@ -161,10 +180,13 @@ class FastLlama:
         if self._warming:
             _mark_dynamic(x, cos, sin, *step)
         pool = ctx.pool
-        for i, layer in enumerate(self._kernels):
-            if i in aux_layers:
-                aux[i] = x
-            x = self._compiled(x, cos, sin, pool.keys[i], pool.values[i], *step, layer)
+        for span in self._spans:
+            layers = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
+            outs = self._compiled(x, cos, sin, *step, layers)
+            for i in span:
+                if i in aux_layers:
+                    aux[i] = x if i == span.start else outs[i - span.start - 1]
+            x = outs[-1]
         return x
 
     def warm_up(self, forward: Callable[[], object]) -> None:

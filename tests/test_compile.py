@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, fast_llama
 from specstream.runner import ForwardItem
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +31,11 @@ def make_engine(model_dir, compile, dtype="float32", method="ngram", **kw):
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir):
-    return make_engine(tiny_model_dir, compile=True)
+    """An engine whose compiled calls run both of the tiny model's layers at once (the default runs one
+    per call), so the multi-layer path is tested too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_llama, "LAYERS_PER_GRAPH", 2)
+        return make_engine(tiny_model_dir, compile=True)
 
 
 def test_compiled_greedy_tokens_equal_eager_alone_and_batched(tiny_model_dir, compiled):
@@ -84,6 +88,28 @@ def test_compiled_layer_matches_eager_logits_on_each_step_shape(tiny_model_dir, 
         torch.testing.assert_close(_step(compiled.runner, shape), _step(eager, shape), rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_steps_hand_the_draft_head_the_same_hidden_states(tiny_model_dir, compiled):
+    """aux_layers (what an EAGLE head reads: the residual stream entering some layers) come out of the
+    compiled calls, which run several layers each, as out of the eager forward."""
+    eager = make_engine(tiny_model_dir, compile=False).runner
+    assert len(compiled.runner.fast._spans) < len(compiled.runner.fast.layers)  # several layers per call
+    got, want = _aux_step(compiled.runner), _aux_step(eager)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def _aux_step(runner):
+    """(logits, aux) of a 3-token step after a 17-token prefill, with the residual stream entering
+    layers 0 and 1."""
+    table: list[int] = []
+    assert runner.pool.reserve(table, 20)
+    try:
+        runner.forward([ForwardItem(table, 0, [5] * 17, 1)])
+        return runner.forward([ForwardItem(table, 17, [6, 7, 8], 3)], aux_layers=(0, 1))
+    finally:
+        runner.pool.free(table)
+
+
 def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, monkeypatch):
     """bf16 with int4 weights: the graph holds torch's packed int4 kernel, and its logits match the
     eager forward's within bf16 rounding (fusion keeps float32 between ops where eager rounds)."""
@@ -118,18 +144,19 @@ def test_long_steps_stay_eager(compiled):
         _step(compiled.runner, [(0, fast.compiled_rows + 1)])
         assert calls["n"] == 0
         _step(compiled.runner, [(0, 1)])
-        assert calls["n"] == len(fast.layers)
+        assert calls["n"] == len(fast._spans) == 1
     finally:
         fast._compiled = real
 
 
 def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, monkeypatch, caplog):
-    from specstream.fast_llama import FastLlama
+    def compile_that_fails(fn, **kw):
+        def broken(*args):
+            raise RuntimeError("no C++ compiler")  # what inductor raises, at the first call, without g++
 
-    def broken(self, *args):
-        raise RuntimeError("no C++ compiler")
+        return broken
 
-    monkeypatch.setattr(FastLlama, "_short_layer", broken)
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     assert engine.runner.fast.compiled_rows == 0 and engine.runner.fast._compiled is None
     assert "compiling the forward failed" in caplog.text and "no C++ compiler" in caplog.text
