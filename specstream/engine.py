@@ -111,8 +111,10 @@ class Engine:
             if isinstance(drafter, (DraftModelProposer, EagleProposer)):
                 drafter.constrain = self.structured.mask_draft_logits
         target_cost = None
+        # where the forward-time curve is kept between starts (None: not cached)
+        self.calibration_file = self._calibration_file(source, f"{weights}; {forward}")
         if spec.enabled and spec.adaptive:
-            target_cost = self._calibrate(self.runner, self._calibration_file(source, f"{weights}; {forward}"))
+            target_cost = self._calibrate(self.runner, self.calibration_file)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.cost = self._calibrate(self.proposer.runner)
             elif isinstance(self.proposer, EagleProposer):
@@ -186,7 +188,10 @@ class Engine:
             return ModelRunner(self.model, self.pool, tile=tile), "dense"
         runner = ModelRunner(self.model, self.pool, linear=factory, tile=tile)
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
-        choices = quant.settle(factory, self.model, self.config.max_num_batched_tokens, timed=not self.config.deterministic)
+        routes = self._cache_file(source, "routes", [mode, self.config.max_num_batched_tokens])
+        choices = quant.settle(
+            factory, self.model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes
+        )
         return runner, quant.describe(factory, choices)
 
     def _compile(self) -> str:
@@ -260,20 +265,25 @@ class Engine:
         return cost
 
     def _calibration_file(self, source, weights: str) -> Path | None:
-        """Where the target's forward-time curve is kept between starts: only for models that
-        specstream holds in its own content-keyed cache (the bundled model, any GGUF file), so
-        the file names exactly these weights; keyed by everything else the timing depends on
-        (dtype, device and processor, threads, torch, weight kernels, invariant mode, step
-        sizes). Delete ~/.cache/specstream/calibration to measure again."""
+        """Where the target's forward-time curve is kept between starts, keyed by the weight
+        kernels, invariant mode and step sizes besides what _cache_file keys on."""
+        return self._cache_file(source, "forward", [weights, self.config.deterministic, *self._calibration_plan()])
+
+    def _cache_file(self, source, kind: str, key: list) -> Path | None:
+        """A file under ~/.cache/specstream/calibration for what start-up measures on this machine (the
+        kernel routes, the forward-time curve): only for models that specstream holds in its own
+        content-keyed cache (the bundled model, any GGUF file), so the file names exactly these weights;
+        keyed by everything else a timing depends on (dtype, device and processor, threads, torch) and
+        by `key`. Delete that directory to measure again."""
         models = (cache_dir() / "models").resolve()
         path = Path(converted_source(source).path).resolve()
         if models not in path.parents:
             return None
-        key = json.dumps(
-            [path.name, str(self.dtype), str(self.device), processor_name(self.device), torch.get_num_threads(),
-             torch.__version__, weights, self.config.deterministic, *self._calibration_plan()]
+        full = json.dumps(
+            [kind, path.name, str(self.dtype), str(self.device), processor_name(self.device), torch.get_num_threads(),
+             torch.__version__, *key]
         )
-        return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+        return cache_dir() / "calibration" / f"{kind}-{hashlib.sha256(full.encode()).hexdigest()[:32]}.json"
 
     def _calibration_plan(self, pool: KVPool | None = None) -> tuple[list[int], int]:
         """The step sizes timed, and the context (cached tokens) they are timed over."""

@@ -23,6 +23,7 @@ the file's, the block scales lose 3 bits.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -491,13 +492,19 @@ def _free_memory(device: torch.device) -> int:
 
 
 def choose_kernels(
-    linears: list[Linear], max_rows: int, dtype: torch.dtype, device: torch.device, timed: bool = True
+    linears: list[Linear],
+    max_rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    timed: bool = True,
+    routes: dict[str, int] | None = None,
 ) -> list[KernelChoice]:
     """For each weight shape, time the packed kernel against the dense GEMM at growing row counts (the
     fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins.
     A dense copy is dropped where it never wins or does not fit in memory. timed=False routes every call
     to the packed kernel without timing anything, so the route, and the rounding, is the same on every
-    start (invariant mode: timings differ between starts, and so would the kernels chosen)."""
+    start (invariant mode: timings differ between starts, and so would the kernels chosen). routes maps
+    "NxK" to a limit timed by an earlier start (load_routes): those shapes are not timed again."""
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None:
@@ -506,11 +513,14 @@ def choose_kernels(
     budget = _free_memory(device) * _DENSE_MEMORY_SHARE
     choices = []
     for shape, group in sorted(by_shape.items(), key=lambda item: -len(item[1]) * item[0][0] * item[0][1]):
+        saved = (routes or {}).get(f"{shape[0]}x{shape[1]}")
         limit = 0 if timed else probes[-1]
-        for rows in probes if timed else []:
+        for rows in probes if timed and saved is None else []:
             if not _faster_packed(group, torch.randn(rows, shape[1], dtype=dtype, device=device)):
                 break
             limit = rows
+        if timed and saved is not None:
+            limit = min(saved, probes[-1])
         dense_bytes = sum(lin.dense.nbytes for lin in group)
         keep = limit < probes[-1] and (limit == 0 or dense_bytes <= budget)
         if keep:
@@ -544,12 +554,38 @@ def make_factory(
     return LinearFactory(mode, dtype, device, source, shared=(model.get_input_embeddings().weight,))
 
 
-def settle(factory: LinearFactory, model, max_rows: int, timed: bool = True) -> list[KernelChoice]:
+def settle(
+    factory: LinearFactory, model, max_rows: int, timed: bool = True, routes_file: Path | None = None
+) -> list[KernelChoice]:
     """Measure the kernels for each shape (see choose_kernels for timed), then free the dense weights no
-    projection reads any more."""
-    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed)
+    projection reads any more. With routes_file, the routes an earlier start timed are read from it (and
+    the ones timed now written to it): a restart skips the timing and serves the same kernels, so the
+    same bf16 rounding, as the start before it."""
+    routes = load_routes(routes_file) if timed and routes_file else None
+    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed, routes)
     factory.release_unused(model)
+    if timed and routes_file and routes is None:
+        save_routes(routes_file, {f"{n}x{k}": c.max_packed_rows for (n, k), c in ((c.shape, c) for c in choices)})
     return choices
+
+
+def load_routes(path: Path) -> dict[str, int] | None:
+    try:
+        routes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(routes, dict) and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in routes.items())
+    return routes if ok else None
+
+
+def save_routes(path: Path, routes: dict[str, int]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(routes))
+        partial.replace(path)
+    except OSError as exc:
+        log.warning("could not keep the kernel routes in %s: %s", path, exc)
 
 
 def describe(factory: LinearFactory, choices: list[KernelChoice]) -> str:

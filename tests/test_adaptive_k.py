@@ -73,10 +73,10 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
     """The bundled model lives in specstream's content-keyed cache, so the forward-time curve
     measured by one start is read by the next instead of measured again (the second start of a
     GGUF model is about 3.5 s faster for Gemma 3 270M)."""
-    from specstream import Engine, EngineConfig
+    from specstream import Engine, EngineConfig, quant
 
     first = Engine(EngineConfig(dtype="float32"), log=False)
-    path = first._calibration_file(default_model_source, "dense")
+    path = first.calibration_file
     assert path is not None and CostModel.load(path) is not None
     del first
 
@@ -84,7 +84,9 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
         raise AssertionError("measured again")
 
     monkeypatch.setattr(CostModel, "measure", measure)
+    monkeypatch.setattr(quant, "_faster_packed", measure)  # the kernel routes are read back too
     second = Engine(EngineConfig(dtype="float32"), log=False)
+    assert second.calibration_file == path
     assert second.policy.target_cost.tokens == CostModel.load(path).tokens
     # A model outside the cache (a plain directory) is measured each time: nothing names its weights.
     assert second._calibration_file(type(default_model_source)("x", "/nonexistent"), "dense") is None

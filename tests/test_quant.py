@@ -105,6 +105,30 @@ def test_kernel_choice_keeps_what_it_routes_to():
     assert lin(torch.randn(3, 256, dtype=torch.bfloat16)).shape == (3, 256)
 
 
+def test_kernel_routes_timed_once_are_replayed_from_their_file(tmp_path, monkeypatch):
+    """A restart reads the routes the first start timed: no timing, and the same kernels (so the same
+    bf16 rounding) as before. A damaged file is timed again."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16))  # what release_unused frees
+
+    def build():
+        factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
+        factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
+        return factory
+
+    path = tmp_path / "routes.json"
+    first = quant.settle(build(), model, 64, routes_file=path)
+    assert quant.load_routes(path) == {"256x256": first[0].max_packed_rows}
+    monkeypatch.setattr(quant, "_faster_packed", lambda *args: pytest.fail("timed again"))
+    second = quant.settle(build(), model, 64, routes_file=path)
+    assert [c.max_packed_rows for c in second] == [c.max_packed_rows for c in first]
+    path.write_text('{"256x256": "many"}')
+    assert quant.load_routes(path) is None
+    monkeypatch.setattr(quant, "_faster_packed", lambda *args: True)
+    (third,) = quant.settle(build(), model, 64, routes_file=path)
+    assert third.max_packed_rows == 1 << 30 and quant.load_routes(path) == {"256x256": 1 << 30}
+
+
 def test_auto_quantization_is_the_default_for_the_engine_and_serve(monkeypatch):
     from gateway.cli import build_parser
 
