@@ -139,7 +139,7 @@ class InputProcessor:
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise InvalidRequestError("tools must be a list of tool definitions", param="tools")
-            chars += len(json.dumps(tools, ensure_ascii=False))
+            chars += len(_json(tools, "tools"))
             self._check_chars(chars)
         for m in messages:
             if not isinstance(m, dict):
@@ -148,7 +148,7 @@ class InputProcessor:
             calls = m.get("tool_calls")
             if calls is not None:
                 _check_tool_calls(calls)
-                chars += len(json.dumps(calls, ensure_ascii=False))
+                chars += len(_json(calls, "prompt"))
                 content = "" if content is None else content  # a message of tool calls alone
             if not isinstance(role, str) or not isinstance(content, str):
                 raise InvalidRequestError(
@@ -245,7 +245,14 @@ def _check_tool_calls(calls) -> None:
             param="prompt",
         )
     for c in calls:
-        _valid_text(json.dumps(c, ensure_ascii=False))
+        _valid_text(_json(c, "prompt"))
+
+
+def _json(value, param: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{param} must be plain JSON data: {exc}", param=param) from None
 
 
 def _is_chat(prompt) -> bool:

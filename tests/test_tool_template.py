@@ -174,6 +174,8 @@ def test_chat_prompts_are_checked_before_the_template_runs(tokenizer, tiny_model
             processor(tokenizer).encode(
                 ChatPrompt([messages[0], {"role": "assistant", "content": "", "tool_calls": [bad]}])
             )
+    with pytest.raises(InvalidRequestError, match="plain JSON"):
+        processor(tokenizer).encode(ChatPrompt(messages, [{"type": "function", "function": {"name": "f", "x": {1, 2}}}]))
     with pytest.raises(InvalidRequestError, match="tools must be") as err:
         processor(tokenizer).encode(ChatPrompt(messages, tools="add"))
     assert err.value.param == "tools"
