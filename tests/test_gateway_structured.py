@@ -57,6 +57,17 @@ ADD = {
 }
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
+# A conversation with one earlier tool call and its result.
+HISTORY = CHAT + [
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -173,17 +184,7 @@ def test_tool_choice_none_answers_in_text(client):
 
 
 def test_tool_turns_are_rendered_into_the_prompt(client):
-    history = CHAT + [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
-    ]
-    with_tools = create(client, messages=history, tools=TOOLS, max_tokens=4)
+    with_tools = create(client, messages=HISTORY, tools=TOOLS, max_tokens=4)
     plain = create(client, messages=CHAT, max_tokens=4)
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 40
 

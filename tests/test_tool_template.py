@@ -25,7 +25,7 @@ from specstream import (
     template_calls_tools,
 )
 from specstream.processor import InputProcessor
-from test_gateway_structured import ADD, CHAT, MODEL, TOOLS, check_calls
+from test_gateway_structured import ADD, CHAT, HISTORY, MODEL, TOOLS, check_calls
 
 # A Qwen 2.5-style template, cut down: tools in the system turn, calls as <tool_call> blocks,
 # tool results as <tool_response> blocks in a user turn.
@@ -49,16 +49,6 @@ HERMES_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
-HISTORY = CHAT + [
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "3"},
-]
 
 
 @pytest.fixture(scope="module")
