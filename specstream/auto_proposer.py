@@ -3,7 +3,11 @@
 Both are judged by the tokens a round is expected to emit per second of the round's cost:
 a round drafting m tokens accepted independently with probability a emits
 (1 - a^(m+1)) / (1 - a) tokens; it costs the target's verification of 1 + m tokens, plus
-m head steps for the head (n-gram lookup is free). Each method's a is the sequence's own
+m head steps for the head (n-gram lookup is free). Each method is judged at its best length
+m (at most the round's k, and for n-gram the match's length), and against plain decoding
+(m = 0: one token for one step): where verifying costs much more than decoding (the int4
+kernel on a CPU grows with the rows it multiplies), a weak head's long chain loses to a short
+one, and both can lose to no draft at all. Each method's a is the sequence's own
 decayed history for that method, starting from a prior: the head's held-out acceptance
 from its training report, and for n-gram a prior that grows with the length of the matched
 suffix (a long match in the prompt is usually a copy, and copying is where n-gram wins).
@@ -93,17 +97,20 @@ class AutoProposer(Proposer):
                 continue
             choice = self._seqs.setdefault(seq.request_id, _SeqChoice(_History(), _History()))
             tokens, n = self.ngram.match(seq.token_ids, k)
-            ngram_rate = (
-                self._rate(choice.ngram.estimate(NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG)), len(tokens), 0)
+            plain = self._rate(0.0, 0, head=False)
+            ngram_rate, ngram_m = (
+                self._best(choice.ngram.estimate(NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG)), len(tokens), head=False)
                 if tokens
-                else 0.0
+                else (0.0, 0)
             )
-            head_rate = self._rate(choice.head.estimate(self.head_prior), k, k) if self.head is not None else 0.0
-            if tokens and ngram_rate >= head_rate:
-                drafts[i] = Draft(tokens, None, "ngram")
+            head_rate, head_m = (
+                self._best(choice.head.estimate(self.head_prior), k, head=True) if self.head is not None else (0.0, 0)
+            )
+            if ngram_m and ngram_rate >= head_rate and ngram_rate > plain:
+                drafts[i] = Draft(tokens[:ngram_m], None, "ngram")
                 choice.last_method = "ngram"
-            elif self.head is not None:
-                head_ks[i] = k
+            elif head_m and head_rate > plain:
+                head_ks[i] = head_m
                 choice.last_method = "head"
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
@@ -112,7 +119,11 @@ class AutoProposer(Proposer):
                 drafts[i] = d
         return drafts
 
-    def _rate(self, a: float, drafts: int, head_steps: int) -> float:
-        """Expected tokens per second of one sequence's round."""
+    def _rate(self, a: float, drafts: int, head: bool) -> float:
+        """Expected tokens per second of one sequence's round drafting `drafts` tokens."""
         verify = self.target_cost(1 + drafts) if self.target_cost is not None else 1.0
-        return expected_tokens(a, drafts) / (verify + head_steps * self.pass_cost(1))
+        return expected_tokens(a, drafts) / (verify + (drafts * self.pass_cost(1) if head else 0.0))
+
+    def _best(self, a: float, most: int, head: bool) -> tuple[float, int]:
+        """The best expected rate over draft lengths 1..most, and that length."""
+        return max((self._rate(a, m, head), m) for m in range(1, most + 1))

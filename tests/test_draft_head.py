@@ -21,6 +21,7 @@ from specstream.draft_head import (
     weight_names,
 )
 from specstream.eagle import EagleProposer
+from specstream.proposers import Draft
 from specstream.runner import ForwardItem
 from specstream.sequence import Sequence
 from specstream.train_draft import TrainConfig, train_draft, user_turn_prefix
@@ -408,3 +409,47 @@ def test_the_bundled_head_drafts_losslessly_under_eagle_and_auto(default_model_s
         Engine(EngineConfig(model=str(tiny_model_dir), speculative=SpeculativeConfig(method="eagle")), log=False)
     auto_spec = SpeculativeConfig(method="auto")
     assert Engine(EngineConfig(model=str(tiny_model_dir), speculative=auto_spec), log=False).proposer.head is None
+
+
+class _StubHead:
+    """Stands in for EagleProposer in AutoProposer's choice: a fixed per-step cost, drafts of zeros."""
+
+    aux_layers = ()
+
+    def __init__(self, step_seconds: float) -> None:
+        self.step_seconds = step_seconds
+        self.asked: list[int] = []
+
+    def pass_cost(self, num_seqs: int) -> float:
+        return self.step_seconds
+
+    def propose(self, seqs, ks):
+        self.asked.extend(ks)
+        return [Draft([0] * k, None, "head") for k in ks]
+
+
+def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
+    """auto judges each method at its best draft length against plain decoding: with cheap
+    verification a confident head drafts its full k; where verifying grows with the rows (the int4
+    kernel on a CPU) a weak head drafts a short chain or none, and a long n-gram copy still wins."""
+    from specstream.adaptive_k import CostModel
+    from specstream.auto_proposer import AutoProposer
+    from specstream.proposers import NgramProposer
+
+    def choose(prior: float, verify: list[float], tokens: list[int], k: int = 8) -> tuple[list[int], str]:
+        head = _StubHead(0.001)
+        auto = AutoProposer(head, NgramProposer(1, 4), head_prior=prior)
+        auto.target_cost = CostModel([1, 9], verify)
+        seq = Sequence("s", tokens, SamplingParams(temperature=0), arrival=0)
+        (draft,) = auto.propose([seq], [k])
+        return head.asked, draft.method if draft.tokens else ""
+
+    fresh = list(range(40, 60))  # no n-gram match anywhere
+    assert choose(0.9, [0.010, 0.011], fresh) == ([8], "head")  # verification nearly free
+    # 9 rows cost 3x one: a weak head drafts nothing, a fair one a chain of 1, a good one a short chain
+    assert choose(0.3, [0.010, 0.030], fresh) == ([], "")
+    assert choose(0.4, [0.010, 0.030], fresh) == ([1], "head")
+    asked, method = choose(0.7, [0.010, 0.030], fresh)
+    assert method == "head" and asked == [2]
+    copy = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4]  # a long match in the prompt
+    assert choose(0.4, [0.010, 0.030], copy)[1] == "ngram"
