@@ -4,12 +4,12 @@ and unknown fields are 400s; features we do not implement are named in the error
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway import tools as tool_format
+from gateway.body import parse_json_object
 from gateway.errors import APIError
 from specstream import ChatPrompt, SamplingParams, StructuredOutput
 
@@ -410,11 +410,9 @@ def parse(model: type[BaseModel], data: Any):
 
 
 def _arguments_object(arguments: str, where: str) -> dict:
-    """A tool call's arguments (a JSON string in OpenAI's API) as the object chat templates render."""
+    """A tool call's arguments (a JSON string in OpenAI's API) as the object chat templates render,
+    parsed as strictly as a request body (no NaN or Infinity; nesting too deep is a 400, not a 500)."""
     try:
-        value = json.loads(arguments)
-    except ValueError:
+        return parse_json_object(arguments.encode("utf-8"))
+    except (APIError, UnicodeEncodeError):
         raise APIError(400, f"{where} must be a JSON object (as a string)", param=where) from None
-    if not isinstance(value, dict):
-        raise APIError(400, f"{where} must be a JSON object (as a string)", param=where)
-    return value

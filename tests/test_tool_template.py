@@ -128,9 +128,10 @@ def test_calls_in_the_template_format_parse_streamed_and_not(client, tool_choice
     assert list(streamed.values()) == [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
 
 
-def test_bad_arguments_in_a_history_call_are_a_400(client):
+@pytest.mark.parametrize("arguments", ["{not json", '{"a": NaN}', "[1, 2]", "[" * 100_000 + "]" * 100_000])
+def test_bad_arguments_in_a_history_call_are_a_400(client, arguments):
     bad = json.loads(json.dumps(HISTORY))
-    bad[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    bad[1]["tool_calls"][0]["function"]["arguments"] = arguments
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=bad, tools=[ADD], max_tokens=2)
     assert err.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
