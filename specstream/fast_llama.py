@@ -121,8 +121,8 @@ class FastLlama:
         about sixty small ops (norms, rotary, residuals, casts, attention's gathers), each dispatched from
         Python. Compiled (inductor), a layer becomes a few fused loops around the projections' kernels.
         The layer is one function of tensors: its weights come in as arguments (each projection as a
-        quant.Kernel), so one graph serves all layers (LAYERS_PER_GRAPH of them per call); sizes that vary (rows, sequences, context) are
-        traced symbolically, and a graph is specialized only where a size is 1 (a lone decode step),
+        quant.Kernel), so one graph serves all layers (LAYERS_PER_GRAPH of them per call); sizes that
+        vary (rows, sequences, context) are traced symbolically, and a graph is specialized only where a size is 1 (a lone decode step),
         so a handful of graphs cover every short step. Steps of more than compiled_rows rows (prefill,
         big batches) keep the eager forward, where the matmuls dominate anyway. compiled_rows is also
         at most the smallest row count where a projection's measured route changes kernel (quant.py),

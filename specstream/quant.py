@@ -205,7 +205,9 @@ class PackedInt4:
 
     def __init__(self, weights: Int4Weights | list[Int4Weights], dtype: torch.dtype, device: torch.device) -> None:
         planes = weights if isinstance(weights, list) else [weights]
-        self.planes = [self._pack(p, dtype, device) for p in planes]
+        packed = [self._pack(p, dtype, device) for p in planes]
+        self.kernel: Kernel = ("int4" if len(packed) == 1 else "int4x2", *(t for plane in packed for t in plane))
+        self.nbytes = sum(t.nbytes for plane in packed for t in plane)
         self.shape = tuple(planes[0].codes.shape)
 
     @staticmethod
@@ -220,15 +222,6 @@ class PackedInt4:
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
         inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
         return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles), scale_zeros
-
-    @property
-    def kernel(self) -> Kernel:
-        kind = "int4" if len(self.planes) == 1 else "int4x2"
-        return (kind, *(t for plane in self.planes for t in plane))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for plane in self.planes for t in plane)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
@@ -258,10 +251,8 @@ class PackedInt8:
         self.codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).to(device)
         self.scales = scales.to(dtype).to(device)
         self.shape = tuple(weight.shape)
-
-    @property
-    def kernel(self) -> Kernel:
-        return ("int8", self.codes, self.scales)
+        self.kernel: Kernel = ("int8", self.codes, self.scales)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
@@ -292,12 +283,7 @@ class Linear:
         return self.packed.shape if self.packed is not None else tuple(self.dense.shape)
 
     def nbytes(self) -> int:
-        size = 0 if self.dense is None else self.dense.nbytes
-        if isinstance(self.packed, PackedInt4):
-            size += self.packed.nbytes
-        elif isinstance(self.packed, PackedInt8):
-            size += self.packed.codes.nbytes + self.packed.scales.nbytes
-        return size
+        return (0 if self.dense is None else self.dense.nbytes) + (0 if self.packed is None else self.packed.nbytes)
 
 
 # ------------------------------------------------------------------------------ building
@@ -513,7 +499,7 @@ def choose_kernels(
     budget = _free_memory(device) * _DENSE_MEMORY_SHARE
     choices = []
     for shape, group in sorted(by_shape.items(), key=lambda item: -len(item[1]) * item[0][0] * item[0][1]):
-        saved = (routes or {}).get(f"{shape[0]}x{shape[1]}")
+        saved = (routes or {}).get(_shape_key(shape))
         limit = 0 if timed else probes[-1]
         for rows in probes if timed and saved is None else []:
             if not _faster_packed(group, torch.randn(rows, shape[1], dtype=dtype, device=device)):
@@ -565,8 +551,13 @@ def settle(
     choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed, routes)
     factory.release_unused(model)
     if timed and routes_file and routes is None:
-        save_routes(routes_file, {f"{n}x{k}": c.max_packed_rows for (n, k), c in ((c.shape, c) for c in choices)})
+        save_routes(routes_file, {_shape_key(c.shape): c.max_packed_rows for c in choices})
     return choices
+
+
+def _shape_key(shape: tuple[int, int]) -> str:
+    """A weight shape as the routes file names it: "NxK"."""
+    return f"{shape[0]}x{shape[1]}"
 
 
 def load_routes(path: Path) -> dict[str, int] | None:
