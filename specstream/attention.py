@@ -56,17 +56,23 @@ class AttentionGroup:
     A step puts its decode and verification runs in one group and its prefill chunks in
     another, so a long chunk never pads every decoding sequence to its length."""
 
-    kv_index: torch.Tensor  # [B, S_max]: pool slots of each sequence's keys (padding: slot 0, masked)
+    # [B, S_max] per KV layer group (kv.py): pool slots of each sequence's keys (padding: slot 0, masked)
+    kv_indexes: list[torch.Tensor]
     q_index: torch.Tensor  # [B, T_max]: packed row of each sequence's queries (padding: row 0)
     out_index: torch.Tensor  # [n]: row of each of the group's tokens in the flattened [B * T_max] output
     rows: torch.Tensor  # [n]: the packed rows of the group's tokens, in out_index's order
     q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
-    views: dict[int | None, KeyView] = field(default_factory=dict)  # by window, built on first use
+    views: dict[tuple, KeyView] = field(default_factory=dict)  # by (layer group, window), built on first use
 
-    def key_view(self, window: int | None, always_mask: bool) -> KeyView:
-        view = self.views.get(window)
+    @property
+    def kv_index(self) -> torch.Tensor:
+        return self.kv_indexes[0]
+
+    def key_view(self, window: int | None, always_mask: bool, kv_group: int = 0) -> KeyView:
+        view = self.views.get((kv_group, window))
         if view is None:
-            view = self.views[window] = build_key_view(self.kv_index, self.q_pos, window, always_mask)
+            view = build_key_view(self.kv_indexes[kv_group], self.q_pos, window, always_mask)
+            self.views[kv_group, window] = view
         return view
 
 
@@ -75,12 +81,17 @@ class StepContext:
     """Where a step's tokens go and what they may see."""
 
     pool: KVPool
-    slot_mapping: torch.Tensor  # [T]: pool slot receiving each new token's key/value
+    slot_mappings: list[torch.Tensor]  # per KV layer group, [T]: pool slot receiving each new token's key/value
     groups: list[AttentionGroup]
     # 0: one attention call per group over [B, T_max]. n (invariant mode): T_max is a multiple of
     # n and attention runs once per tile of n query rows, always masked, so each query row is
     # computed by the same kernel with the same shape wherever it sits (see runner.py).
     q_tile: int = 0
+    windows: dict[int, int | None] | None = None  # when a dict: each layer's window is recorded in it (layer_windows)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.slot_mappings[0]
 
 
 def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None, always_mask: bool = False) -> KeyView:
@@ -144,22 +155,34 @@ def attend(
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
     ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
     sliding-window layer). Returns [1, heads, T, d]."""
-    keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
-    keys.index_copy_(0, ctx.slot_mapping, key)
-    values.index_copy_(0, ctx.slot_mapping, value)
+    pool = ctx.pool
+    if ctx.windows is not None:
+        ctx.windows[layer] = window
+    kv_group = pool.group_of[layer]
+    kept = pool.groups[kv_group].window
+    if kept is not None and (window is None or window > kept):
+        raise UnsupportedAttentionError(
+            f"layer {layer} attends {'the whole context' if window is None else f'a {window}-token window'}, "
+            f"but the KV pool keeps only the last {kept} positions for it"
+        )
+    keys, values = pool.keys[layer], pool.values[layer]
+    slot_mapping = ctx.slot_mappings[kv_group]
+    keys.index_copy_(0, slot_mapping, key)
+    values.index_copy_(0, slot_mapping, value)
+    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group)
     if len(ctx.groups) == 1:
-        return _attend_group(ctx, ctx.groups[0], query[0], keys, values, scaling, window, softcap, sinks).unsqueeze(0)
+        return _attend_group(ctx, ctx.groups[0], *args).unsqueeze(0)
     out = query.new_empty(query.shape[1:])
     for group in ctx.groups:
-        part = _attend_group(ctx, group, query[0], keys, values, scaling, window, softcap, sinks)
+        part = _attend_group(ctx, group, *args)
         out.index_copy_(1, group.rows, part)
     return out.unsqueeze(0)
 
 
-def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks):
+def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
-    view = group.key_view(window, bool(ctx.q_tile))
+    view = group.key_view(window, bool(ctx.q_tile), kv_group)
     batch, s = view.kv_index.shape
     k, v = gather_keys(keys, values, view.kv_index)
     q = gather_queries(query, group.q_index)

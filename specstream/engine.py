@@ -47,7 +47,7 @@ from specstream.models import (
 from specstream.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.processor import ChatPrompt, InputProcessor
 from specstream.proposers import Draft, DraftModelProposer, NgramProposer, NoProposer, Proposer
-from specstream.runner import INVARIANT_TILE, ForwardItem, ModelRunner
+from specstream.runner import INVARIANT_TILE, ForwardItem, ModelRunner, layer_windows
 from specstream.sampling import SamplingParams
 from specstream.scheduler import Scheduler, StepPlan
 from specstream.sequence import Sequence
@@ -94,8 +94,15 @@ class Engine:
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.eos_token_ids = self._eos_ids()
 
-        num_tokens = self._pool_tokens(self.model, self.dtype)
-        self.pool = KVPool(*model_geometry(self.model.config), num_tokens, config.kv_block_size, self.dtype, self.device)
+        self.kv_tokens = self._pool_tokens(self.model, self.dtype)
+        self.pool = KVPool(
+            *model_geometry(self.model.config),
+            self.kv_tokens,
+            config.kv_block_size,
+            self.dtype,
+            self.device,
+            windows=layer_windows(self.model),
+        )
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or self.pool.capacity
         self.max_model_len = config.max_model_len or min(limit, self.pool.capacity)
         if self.max_model_len > self.pool.capacity:
@@ -140,7 +147,7 @@ class Engine:
         self.metrics = EngineMetrics()
         if log:
             logger.info(
-                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %d tokens; weights %s; "
+                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %s; weights %s; "
                 "forward %s; resident memory %.0f MiB",
                 time.perf_counter() - start,
                 config.model,
@@ -148,7 +155,7 @@ class Engine:
                 self.device,
                 spec.method,
                 k_max,
-                self.pool.capacity,
+                self.pool.describe(),
                 weights,
                 forward,
                 quant.resident_bytes() / 2**20,
@@ -173,6 +180,11 @@ class Engine:
         if limit:
             tokens = min(tokens, limit * self.config.max_num_seqs)
         return max(tokens, self.config.kv_block_size)
+
+    def _draft_tokens(self) -> int:
+        """Positions a proposer's own KV pool holds: as many as the target's (its memory's worth, when
+        the target's windowed layers let it hold more)."""
+        return min(self.pool.capacity, self.kv_tokens)
 
     def _make_runner(self, source) -> tuple[ModelRunner, str]:
         """The target's runner with its projections held as config.quantization says (quant.py), and
@@ -222,7 +234,7 @@ class Engine:
                 f"(draft {len(draft_tokenizer)} tokens / {draft_vocab} logits, target "
                 f"{len(self.tokenizer)} / {self.vocab_size}); speculative decoding needs the same tokenizer"
             )
-        pool = KVPool(*model_geometry(draft.config), self.pool.capacity, self.config.kv_block_size, dtype, self.device)
+        pool = KVPool(*model_geometry(draft.config), self._draft_tokens(), self.config.kv_block_size, dtype, self.device)
         return DraftModelProposer(
             draft,
             pool,
@@ -242,7 +254,7 @@ class Engine:
             return AutoProposer(None, ngram)
         head = load_for_target(head_dir, self.model, self.config.model, self.dtype, self.device)
         cfg = head.cfg
-        capacity, block_size = self.pool.capacity, self.config.kv_block_size
+        capacity, block_size = self._draft_tokens(), self.config.kv_block_size
         pool = KVPool(1, cfg.num_key_value_heads, cfg.head_dim, capacity, block_size, self.dtype, self.device)
         eagle = EagleProposer(head, pool)
         if spec.method == "eagle":
@@ -294,7 +306,7 @@ class Engine:
     def _measure_forward(self, runner: ModelRunner) -> CostModel:
         pool = runner.pool
         sizes, context = self._calibration_plan(pool)
-        table: list[int] = []
+        table = pool.new_table()
         if context < 0 or not pool.reserve(table, context + sizes[-1]):
             pool.free(table)
             return CostModel([1], [1.0])
@@ -425,7 +437,7 @@ class Engine:
 
     # [structured] what forced drafts beyond k need: KV room and the step's spare token budget
     def _reserve_drafts(self, seq: Sequence, n: int) -> bool:
-        return self.pool.reserve(seq.block_table, len(seq.token_ids) + n)
+        return self.pool.reserve(seq.block_table, len(seq.token_ids) + n, seq.num_cached)
 
     def _spare_tokens(self, plan: StepPlan) -> int:
         used = sum(1 + k for k in plan.ks) + sum(n for _, n in plan.prefills)

@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specstream.kv import KVPool
     from specstream.sequence import Sequence
+
+NO_BLOCK = -1  # a table entry for a block a windowed layer group left behind (kv.py)
 
 
 def root_digest(salt: str | None) -> bytes:
@@ -119,11 +122,17 @@ class PrefixCacheStats:
 
 class PrefixCache:
     """The prefix cache of one KV pool (the target's, or a draft model's). Digests depend only
-    on tokens and salt, so both pools use the one list a sequence carries."""
+    on tokens and salt, so both pools use the one list a sequence carries.
 
-    def __init__(self, blocks: BlockAllocator, block_size: int) -> None:
-        self.blocks = blocks
-        self.block_size = block_size
+    With several layer groups (kv.py), each group's blocks are cached under the digest and the
+    group's index. A hit of n blocks needs every full-attention group's blocks 0..n-1 and every
+    windowed group's blocks from the first one the position n * block_size reads (earlier ones
+    the window has left behind are not needed)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.blocks = pool.blocks
+        self.block_size = pool.block_size
         self.stats = PrefixCacheStats()
 
     def _digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -131,26 +140,48 @@ class PrefixCache:
         extend_digests(digests, seq.token_ids, self.block_size, seq.params.cache_salt, num_blocks)
         return digests
 
+    @staticmethod
+    def _key(group: int, digest: bytes):
+        return digest if group == 0 else (group, digest)
+
     def acquire(self, table: list[int], seq: Sequence) -> int:
         """Seed an empty block table with the longest cached run of seq's full blocks, leaving
         at least its last token uncomputed. Returns the number of positions found cached."""
-        if table:
+        tables = self.pool.tables(table)
+        if any(tables):
             raise ValueError("only an empty block table takes cached blocks")
-        for digest in self._digests(seq, (len(seq.token_ids) - 1) // self.block_size):
-            block = self.blocks.lookup(digest)
-            if block is None:
-                break
-            self.blocks.share(block)
-            table.append(block)
-        return len(table) * self.block_size
+        digests = self._digests(seq, (len(seq.token_ids) - 1) // self.block_size)
+        found = [[self.blocks.lookup(self._key(g, d)) for d in digests] for g in range(len(tables))]
+        n = self._longest_hit(found)
+        for g, blocks in enumerate(tables):
+            first = min(self.pool.first_kept(g, n * self.block_size), n)
+            blocks.extend([NO_BLOCK] * first)
+            for block in found[g][first:n]:
+                self.blocks.share(block)
+                blocks.append(block)
+        return n * self.block_size
+
+    def _longest_hit(self, found: list[list[int | None]]) -> int:
+        """The most leading blocks n that every group holds cached as a hit of n needs."""
+        n = len(found[0])
+        for g, group in enumerate(found):
+            if self.pool.groups[g].window is None:
+                n = min(n, next((i for i, b in enumerate(group) if b is None), n))
+        while n > 0 and not all(
+            None not in group[self.pool.first_kept(g, n * self.block_size) : n] for g, group in enumerate(found)
+        ):
+            n -= 1
+        return n
 
     def publish(self, table: list[int], seq: Sequence, num_committed: int, start: int) -> int:
         """Publish blocks start.. of table that lie wholly below num_committed positions, whose
         KV holds seq.token_ids[:num_committed]. Returns how many leading blocks are published."""
         end = min(num_committed, len(seq.token_ids)) // self.block_size
         digests = self._digests(seq, end)
-        for i in range(start, end):
-            self.blocks.publish(table[i], digests[i])
+        for g, blocks in enumerate(self.pool.tables(table)):
+            for i in range(start, min(end, len(blocks))):
+                if blocks[i] != NO_BLOCK:
+                    self.blocks.publish(blocks[i], self._key(g, digests[i]))
         return max(start, end)
 
     def record_admission(self, seq: Sequence, hit: int) -> None:

@@ -115,7 +115,7 @@ class DraftModelProposer(Proposer):
         self.pool = pool
         self.max_pass_tokens = max_pass_tokens
         self.cost = cost  # CostModel of one packed draft pass, set after calibration
-        self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if prefix_caching else None
+        self.prefix_cache = PrefixCache(pool) if prefix_caching else None
         self._state: dict[str, _DraftKV] = {}  # by request_id
         # [structured] (logits, seqs, drafted tokens) -> logits masked by each sequence's grammar
         self.constrain = None

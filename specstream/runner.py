@@ -27,7 +27,7 @@ import torch
 
 from specstream import fast_llama
 from specstream.architectures import check_architecture
-from specstream.attention import AttentionGroup, StepContext, step_context
+from specstream.attention import AttentionGroup, StepContext, model_geometry, step_context
 from specstream.fast_llama import FastLlama, dense_linear
 from specstream.kv import KVPool
 from specstream.models import ModelError, cache_dir
@@ -74,7 +74,7 @@ class ModelRunner:
         """One tiny forward at load time, so a model whose attention asks for something the
         packed attention does not implement is refused now (UnsupportedAttentionError, a
         ModelError), not while serving."""
-        table: list[int] = []
+        table = self.pool.new_table()
         if not self.pool.reserve(table, 2):
             return
         try:
@@ -92,7 +92,7 @@ class ModelRunner:
             return "eager (transformers modules)"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         start = time.perf_counter()
-        tables: list[list[int]] = [[], []]
+        tables = [self.pool.new_table(), self.pool.new_table()]
         try:
             self.fast.compile()
             rows = self.fast.compiled_rows
@@ -148,6 +148,25 @@ class ModelRunner:
         return logits, torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1).to(dev)
 
 
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: the whole context) as the model's attention asks for it,
+    recorded from one 2-token forward through transformers' modules over a scratch pool. The KV
+    pool is laid out from these (kv.py); a layer that later asks for more than its group keeps is
+    refused by attention.attend."""
+    num_layers, kv_heads, head_dim = model_geometry(model.config)
+    if fast_llama.supports(model):
+        return [None] * num_layers  # the lean forward attends the whole context
+    weight = next(model.parameters())
+    pool = KVPool(num_layers, kv_heads, head_dim, 2, 2, weight.dtype, weight.device)
+    table = pool.new_table()
+    pool.reserve(table, 2)
+    input_ids, pos, ctx, keep_idx = pack(pool, [ForwardItem(table, 0, [0, 0], 1)])
+    ctx.windows = {}
+    with torch.inference_mode(), step_context(ctx):
+        model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep_idx)
+    return [ctx.windows.get(i) for i in range(num_layers)]
+
+
 def pack(
     pool: KVPool, items: list[ForwardItem], q_tile: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
@@ -155,16 +174,21 @@ def pack(
     positions [T], the attention context, rows whose logits are wanted). With q_tile, each
     sequence's query rows are padded to a multiple of it (attention then runs per tile)."""
     dev = pool.device
+    num_groups = len(pool.groups)
     input_ids: list[int] = []
-    positions, slot_maps, kv_slots, keep, q_rows = [], [], [], [], []
+    positions, keep, q_rows = [], [], []
+    # [layer group][item]: the pool slots receiving the item's new tokens, and those of all its positions
+    slot_maps: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+    kv_slots: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
     offset = 0
     for item in items:
         n, end = len(item.tokens), item.start + len(item.tokens)
         input_ids.extend(item.tokens)
         positions.append(torch.arange(item.start, end))
-        all_slots = pool.slots(item.table, 0, end)
-        slot_maps.append(all_slots[item.start :])
-        kv_slots.append(all_slots)
+        for g in range(num_groups):
+            all_slots = pool.slots(item.table, 0, end, g)
+            slot_maps[g].append(all_slots[item.start :])
+            kv_slots[g].append(all_slots)
         q_rows.append(torch.arange(offset, offset + n))
         if item.num_logits:
             keep.append(torch.arange(offset + n - item.num_logits, offset + n))
@@ -177,31 +201,39 @@ def pack(
     if len(members) == 2 and len(long) * len(short) <= 1:
         members = [list(range(len(items)))]  # nothing to gain from splitting
     groups = [
-        _group([kv_slots[i] for i in m], [q_rows[i] for i in m], [items[i].start for i in m], q_tile, dev)
+        _group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i].start for i in m], q_tile, dev)
         for m in members
     ]
-    ctx = StepContext(pool=pool, slot_mapping=torch.cat(slot_maps).to(dev), groups=groups, q_tile=q_tile)
+    slot_mappings = [torch.cat(maps).to(dev) for maps in slot_maps]
+    ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
     keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
     return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
 
 
-def _group(kv_slots: list[torch.Tensor], q_rows: list[torch.Tensor], starts: list[int], q_tile: int, dev) -> AttentionGroup:
-    """The padded attention layout of some of a step's sequences."""
+def _group(
+    kv_slots: list[list[torch.Tensor]], q_rows: list[torch.Tensor], starts: list[int], q_tile: int, dev
+) -> AttentionGroup:
+    """The padded attention layout of some of a step's sequences (kv_slots: per KV layer group, each
+    sequence's slots)."""
     batch = len(q_rows)
-    t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots)
+    t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots[0])
     if q_tile:
         # Whole tiles of queries, and keys padded (masked) to a multiple of _KEY_BLOCK, so no real key
         # falls in a kernel's remainder loop, whose summation order differs from its main loop's.
         t_max += -t_max % q_tile
         s_max += -s_max % _KEY_BLOCK
-    kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+    kv_indexes = []
+    for slots_of in kv_slots:
+        kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+        for i, slots in enumerate(slots_of):
+            kv_index[i, : len(slots)] = slots
+        kv_indexes.append(kv_index.to(dev))
     q_index = torch.zeros((batch, t_max), dtype=torch.long)
-    for i, (slots, rows) in enumerate(zip(kv_slots, q_rows)):
-        kv_index[i, : len(slots)] = slots
+    for i, rows in enumerate(q_rows):
         q_index[i, : len(rows)] = rows
     out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
     return AttentionGroup(
-        kv_index=kv_index.to(dev),
+        kv_indexes=kv_indexes,
         q_index=q_index.to(dev),
         out_index=out_index.to(dev),
         rows=torch.cat(q_rows).to(dev),

@@ -46,7 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_cache = PrefixCache(pool.blocks, pool.block_size) if config.enable_prefix_caching else None
+        self.prefix_cache = PrefixCache(pool) if config.enable_prefix_caching else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -103,7 +103,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running or not seq.is_decoding:
                 continue
-            while not self.pool.reserve(seq.block_table, len(seq.token_ids)):
+            while not self.pool.reserve(seq.block_table, len(seq.token_ids), seq.num_cached):
                 if self._preempt_newest() is seq:
                     break
             else:
@@ -121,7 +121,7 @@ class Scheduler:
         base = len(plan.decodes) + sum(n for _, n in plan.prefills)
         plan.ks = self.policy.choose(plan.decodes, base, budget)
         for i, seq in enumerate(plan.decodes):
-            while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i]):
+            while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i], seq.num_cached):
                 plan.ks[i] -= 1
         return plan
 
@@ -155,10 +155,8 @@ class Scheduler:
 
     def _reserve_chunk(self, seq: Sequence, budget: int, watermark: int) -> int:
         """Reserve KV for the largest prefill chunk of seq that fits; return its length."""
-        chunk = min(seq.num_pending, budget)
-        free_tokens = (self.pool.num_free_blocks - watermark) * self.pool.block_size
-        have = len(seq.block_table) * self.pool.block_size - seq.num_cached
-        chunk = min(chunk, have + max(free_tokens, 0))
-        if chunk <= 0 or not self.pool.reserve(seq.block_table, seq.num_cached + chunk):
+        room = self.pool.room(seq.block_table, seq.num_cached, watermark) - seq.num_cached
+        chunk = min(seq.num_pending, budget, room)
+        if chunk <= 0 or not self.pool.reserve(seq.block_table, seq.num_cached + chunk, seq.num_cached):
             return 0
         return chunk

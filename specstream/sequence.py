@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specstream.detok import IncrementalDetokenizer
+from specstream.kv import BlockTable
 from specstream.prefix_cache import PrefixState
 from specstream.sampling import SamplingParams, reduce_seed
 
@@ -69,7 +70,7 @@ class Sequence:
         self.seed = reduce_seed(params.seed if params.seed is not None else seed)
         self.arrival = arrival  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()  # its KV blocks, per layer group (kv.py)
         self.num_cached = 0  # positions whose KV is in the target pool
         self.prefix = PrefixState()  # block digests and cache hits (prefix_cache.py)
         self.finish_reason: str | None = None

@@ -237,11 +237,11 @@ def capture_features(
         while group[-1] + 1 < len(joined) and size + len(joined[group[-1] + 1]) <= group_tokens:
             group.append(group[-1] + 1)
             size += len(joined[group[-1]])
-        tables: list[list[int]] = []
+        tables = []
         try:
             items = []
             for s in group:
-                table: list[int] = []
+                table = engine.pool.new_table()
                 if not engine.pool.reserve(table, len(joined[s])):
                     raise RuntimeError("the KV pool cannot hold one training sequence; lower seq_len")
                 tables.append(table)

@@ -20,6 +20,7 @@ from specstream import Engine, EngineConfig, ModelError, SamplingParams, Specula
 from specstream.architectures import VERIFIED_ARCHITECTURES, check_architecture
 from specstream.attention import ATTN_IMPLEMENTATION, build_key_view, model_geometry
 from specstream.kv import KVPool
+from specstream.prefix_cache import NO_BLOCK
 from specstream.models import load_model, resolve_model
 from specstream.runner import ForwardItem, ModelRunner
 
@@ -159,8 +160,11 @@ def test_plain_decoding_with_chunked_prefill_equals_generate(arch):
 
 def test_ngram_speculation_under_preemption_equals_generate(arch):
     _, path, texts, expected, _ = arch
-    # 80 KV slots: any one sequence fits, the batch of three does not.
+    # 80 KV slots: any one sequence fits, the batch of three does not. Where every layer is windowed,
+    # a sequence holds at most (window + its step) positions whatever its length: 24 slots then.
     spec = engine(path, "ngram", kv_cache_tokens=80)
+    if all(g.window is not None for g in spec.pool.groups):
+        spec = engine(path, "ngram", kv_cache_tokens=24)
     alone = [spec.generate(p, GREEDY)[0] for p in texts]
     assert [o.token_ids for o in alone] == expected
     batched = spec.generate(texts, GREEDY)
@@ -174,6 +178,37 @@ def test_self_drafting_accepts_every_draft_and_equals_generate(arch):
     outputs = engine(path, "draft").generate(texts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.stats.accepted == o.stats.drafted > 0 for o in outputs)
+
+
+def test_windowed_layers_hold_only_their_window_and_a_cached_prefix_equals_generate(arch):
+    """The KV pool lays out the windows the model's attention asks for; a windowed layer group
+    never holds more blocks than its window and one step need, and drops the rest as it goes;
+    a prompt served again from the prefix cache (full layers' whole prefix, windowed layers' last
+    window) gives the same tokens."""
+    model_type, path, texts, expected, _ = arch
+    e = engine(path, "ngram")
+    pool = e.pool
+    windowed = [g for g, group in enumerate(pool.groups) if group.window is not None]
+    assert bool(windowed) == ("sliding_window" in ARCHITECTURES[model_type])
+    assert all(pool.groups[g].window == WINDOW for g in windowed)
+    most = pool.blocks_for(WINDOW - 1 + e.config.max_num_batched_tokens) + 1
+    dropped = []
+    step = e.step
+
+    def checked_step():
+        chunks = step()
+        for seq in e.scheduler.running:
+            for g in windowed:
+                blocks = pool.tables(seq.block_table)[g]
+                assert sum(b != NO_BLOCK for b in blocks) <= most
+                dropped.append(blocks.count(NO_BLOCK))
+        return chunks
+
+    e.step = checked_step
+    assert [o.token_ids for o in e.generate(texts, GREEDY)] == expected
+    assert not windowed or max(dropped) >= 3  # 45 + 16 positions: windowed blocks were handed back
+    again = e.generate(texts[-1], GREEDY)[0]
+    assert again.token_ids == expected[-1] and again.num_cached_tokens >= 40
 
 
 def test_a_window_query_sees_exactly_the_last_window_keys():

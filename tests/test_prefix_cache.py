@@ -8,8 +8,9 @@ import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kv import KVPool
-from specstream.prefix_cache import BlockAllocator, extend_digests
+from specstream.prefix_cache import NO_BLOCK, BlockAllocator, PrefixCache, extend_digests
 from specstream.runner import ForwardItem, ModelRunner
+from specstream.sequence import Sequence
 
 BLOCK = 16
 # Token-id prompts (the tiny vocabulary has 384 ids): a long shared prefix, different tails.
@@ -338,3 +339,35 @@ def test_gateway_passes_cache_salt_and_accepts_prompt_cache_key():
     assert params.cache_salt == "tenant-1"
     with pytest.raises(APIError):
         parse(ChatCompletionRequest, {**body, "cache_salt": ""})
+
+
+# ------------------------------------------------------------------ windowed layer groups
+def windowed_seq(tokens):
+    return Sequence("s", tokens, SamplingParams(), arrival=0)
+
+
+def test_a_hit_needs_the_full_groups_prefix_and_the_windowed_groups_last_window():
+    # Layer 0 attends an 8-token window, layer 1 everything; blocks of 4 positions.
+    pool = KVPool(2, 2, 4, 256, 4, torch.float32, "cpu", windows=[8, None])
+    cache = PrefixCache(pool)
+    tokens = list(range(10, 40))
+    a = windowed_seq(tokens)
+    table = pool.new_table()
+    assert pool.reserve(table, 28)
+    cache.publish(table, a, 16, 0)  # blocks 0..3 committed
+    assert pool.reserve(table, 28, start=27)  # the window moves on: windowed blocks 0..4 dropped, 4 unpublished
+    cache.publish(table, a, 28, 4)  # full group: blocks 4..6; windowed group: 5, 6
+    pool.free(table)
+
+    # 29 tokens: a hit of 7 blocks (28 positions) reads windowed blocks 5 and 6 only: all cached.
+    b = pool.new_table()
+    assert cache.acquire(b, windowed_seq(tokens[:29])) == 28
+    full, window = pool.tables(b)
+    assert len(full) == 7 and window[:5] == [NO_BLOCK] * 5 and NO_BLOCK not in window[5:]
+    pool.free(b)
+    # 21 tokens: 5 blocks would read windowed blocks 3 and 4, and block 4 was never cached: 4 blocks.
+    c = pool.new_table()
+    assert cache.acquire(c, windowed_seq(tokens[:21])) == 16
+    assert pool.tables(c)[1] == [NO_BLOCK, NO_BLOCK] + pool.tables(c)[1][2:] and len(pool.tables(c)[1]) == 4
+    pool.free(c)
+    assert all_blocks_free(pool)
