@@ -186,19 +186,23 @@ def kv_memory(gguf: Path, ids: list[int], new_tokens: int) -> None:
     print(f"\n## KV memory, {len(ids)}-token prompt + {new_tokens} new tokens (bf16, default pool)\n", flush=True)
     print(f"pool: {pool.describe()}")
     eng.add_request(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    held = 0
+    peak = held = 0  # blocks held at most, and at the last decoding step
     while eng.has_unfinished():
         eng.step()
         for seq in eng.scheduler.running:
-            held = max(held, sum(b >= 0 for t in pool.tables(seq.block_table) for b in t))
+            blocks = sum(b >= 0 for t in pool.tables(seq.block_table) for b in t)
+            peak = max(peak, blocks)
+            held = blocks
     layers, kv_heads, head_dim = len(pool.keys), pool.keys[0].shape[1], pool.keys[0].shape[2]
     block_bytes = 2 * pool.block_size * pool.width * kv_heads * head_dim * pool.keys[0].element_size()
     whole = (len(ids) + new_tokens) * 2 * layers * kv_heads * head_dim * pool.keys[0].element_size()
-    print("| | KV bytes per sequence | sequences of this length in the pool |")
+    print("| | KV bytes per sequence, decoding | sequences of this length in the pool |")
     print("|---|---:|---:|")
     print(f"| every layer's whole context | {whole / 2**20:.1f} MiB | {pool.num_blocks * block_bytes // whole} |")
     print(f"| windowed layers keep their window (ours) | {held * block_bytes / 2**20:.1f} MiB "
-          f"({whole / (held * block_bytes):.1f}x less) | {pool.num_blocks // held} |", flush=True)
+          f"({whole / (held * block_bytes):.1f}x less) | {pool.num_blocks // held} |")
+    print(f"\nAt its peak (a {eng.config.max_num_batched_tokens}-token prefill chunk reads the window before it) "
+          f"the sequence held {peak * block_bytes / 2**20:.1f} MiB.", flush=True)
 
 
 def main() -> None:
@@ -217,10 +221,14 @@ def main() -> None:
     del eng
     prompts = {n: ids[:n] for n in PROMPT_LENGTHS}
     ok = check_fp32(gguf, prompts, args.new_tokens)
-    imported, ready, cpu = second_start(gguf)
-    print(f"\n## Second start\n\nfresh process: import {imported:.1f} s, then engine ready in {ready:.1f} s "
-          f"(goal: under 5 s {'met' if ready < 5 else 'NOT met'}); the whole process used {cpu:.1f} CPU s "
-          "(import included)", flush=True)
+    print("\n## Second start\n", flush=True)
+    # The first start with serve's defaults may still time the forward (its calibration cache is keyed by
+    # dtype, kernels and step sizes): the second is the one a restart sees.
+    for label in ("first with serve's defaults", "second"):
+        imported, ready, cpu = second_start(gguf)
+        verdict = f" (goal: under 5 s {'met' if ready < 5 else 'NOT met'})" if label == "second" else ""
+        print(f"{label}, fresh process: import {imported:.1f} s, then engine ready in {ready:.1f} s{verdict}; "
+              f"the whole process used {cpu:.1f} CPU s (import included)", flush=True)
     if not args.skip_bf16:
         throughput_bf16(gguf, prompts[1000], args.bf16_new_tokens)
     kv_memory(gguf, prompts[max(PROMPT_LENGTHS)], args.new_tokens)
