@@ -103,7 +103,8 @@ class Engine:
             self.device,
             windows=layer_windows(self.model),
         )
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or self.pool.capacity
+        # A pool whose every layer is windowed holds a sequence of any length: then its memory's worth.
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or self._draft_tokens()
         self.max_model_len = config.max_model_len or min(limit, self.pool.capacity)
         if self.max_model_len > self.pool.capacity:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
@@ -182,8 +183,8 @@ class Engine:
         return max(tokens, self.config.kv_block_size)
 
     def _draft_tokens(self) -> int:
-        """Positions a proposer's own KV pool holds: as many as the target's (its memory's worth, when
-        the target's windowed layers let it hold more)."""
+        """Positions a proposer's own KV pool holds: as many as the target's pool holds for one sequence
+        (its memory's worth, when the target's windowed layers let it hold more)."""
         return min(self.pool.capacity, self.kv_tokens)
 
     def _make_runner(self, source) -> tuple[ModelRunner, str]:
