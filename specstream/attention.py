@@ -5,7 +5,9 @@ are loaded with ``attn_implementation="specstream_packed"`` and called on a pack
 ([1, total_new_tokens]) with per-token position_ids and no cache object. For each layer the
 function writes the new keys/values into the KV pool, gathers every sequence's cached
 prefix, and attends under a block-diagonal causal mask built once per step (and once per
-sliding-window size) and published in a thread-local StepContext.
+sliding-window size) and published in a thread-local StepContext. A pool with several
+layer groups (kv.py: sliding-window layers keep only their window) has a slot mapping and
+key slots per group; a layer reads its own group's.
 
 Everything transformers' attention call carries is honoured: ``scaling``, a per-layer
 ``sliding_window`` (a query at position p sees keys in (p - window, p], and only those are

@@ -12,6 +12,12 @@ Every step, in order:
 With prefix caching, a step first publishes the full blocks each running sequence committed
 in the last round (and a sequence publishes its blocks when freed), and a sequence being
 admitted starts from the longest cached run of its blocks, so its prefill begins past them.
+
+Every reservation names the first position the step feeds (the sequence's num_cached), so a
+model's sliding-window layers hand back the blocks their window has left behind before the
+pool is asked for more (kv.py), and a chunk's size counts the room of every layer group.
+Publishing comes first in a step, so those blocks are findable in the prefix cache before
+they are handed back.
 """
 
 from __future__ import annotations
