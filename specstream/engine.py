@@ -104,7 +104,7 @@ class Engine:
             windows=layer_windows(self.model),
         )
         # A pool whose every layer is windowed holds a sequence of any length: then its memory's worth.
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or self._draft_tokens()
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or self._pool_positions()
         self.max_model_len = config.max_model_len or min(limit, self.pool.capacity)
         if self.max_model_len > self.pool.capacity:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({self.pool.capacity} tokens)")
@@ -182,9 +182,9 @@ class Engine:
             tokens = min(tokens, limit * self.config.max_num_seqs)
         return max(tokens, self.config.kv_block_size)
 
-    def _draft_tokens(self) -> int:
-        """Positions a proposer's own KV pool holds: as many as the target's pool holds for one sequence
-        (its memory's worth, when the target's windowed layers let it hold more)."""
+    def _pool_positions(self) -> int:
+        """The positions one sequence may take in the target's pool: its capacity, but at most its memory's
+        worth (a pool whose every layer is windowed holds any length). A proposer's own pool holds as many."""
         return min(self.pool.capacity, self.kv_tokens)
 
     def _make_runner(self, source) -> tuple[ModelRunner, str]:
@@ -235,7 +235,7 @@ class Engine:
                 f"(draft {len(draft_tokenizer)} tokens / {draft_vocab} logits, target "
                 f"{len(self.tokenizer)} / {self.vocab_size}); speculative decoding needs the same tokenizer"
             )
-        pool = KVPool(*model_geometry(draft.config), self._draft_tokens(), self.config.kv_block_size, dtype, self.device)
+        pool = KVPool(*model_geometry(draft.config), self._pool_positions(), self.config.kv_block_size, dtype, self.device)
         return DraftModelProposer(
             draft,
             pool,
@@ -255,7 +255,7 @@ class Engine:
             return AutoProposer(None, ngram)
         head = load_for_target(head_dir, self.model, self.config.model, self.dtype, self.device)
         cfg = head.cfg
-        capacity, block_size = self._draft_tokens(), self.config.kv_block_size
+        capacity, block_size = self._pool_positions(), self.config.kv_block_size
         pool = KVPool(1, cfg.num_key_value_heads, cfg.head_dim, capacity, block_size, self.dtype, self.device)
         eagle = EagleProposer(head, pool)
         if spec.method == "eagle":
