@@ -132,20 +132,25 @@ class ModelRunner:
         dev = self.device
         if self.fast is not None:
             return self.fast(input_ids, pos, ctx, keep_idx, aux_layers)
-        with step_context(ctx):
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=pos[None],
-                use_cache=False,
-                logits_to_keep=keep_idx,
-                # Only when asked: the model hands its kwargs down to the attention function.
-                **({"output_hidden_states": True} if aux_layers else {}),
-            )
+        out = _modules_forward(self.model, input_ids, pos, ctx, keep_idx, bool(aux_layers))
         logits = out.logits[0].float()
         if not aux_layers:
             return logits
         # hidden_states[i] is the input of layer i.
         return logits, torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1).to(dev)
+
+
+def _modules_forward(model, input_ids, pos, ctx: StepContext, keep_idx, hidden_states: bool = False):
+    """One packed step through transformers' own modules, attending through ctx."""
+    with step_context(ctx):
+        return model(
+            input_ids=input_ids[None],
+            position_ids=pos[None],
+            use_cache=False,
+            logits_to_keep=keep_idx,
+            # Only when asked: the model hands its kwargs down to the attention function.
+            **({"output_hidden_states": True} if hidden_states else {}),
+        )
 
 
 def layer_windows(model) -> list[int | None]:
@@ -162,8 +167,8 @@ def layer_windows(model) -> list[int | None]:
     pool.reserve(table, 2)
     input_ids, pos, ctx, keep_idx = pack(pool, [ForwardItem(table, 0, [0, 0], 1)])
     ctx.windows = {}
-    with torch.inference_mode(), step_context(ctx):
-        model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep_idx)
+    with torch.inference_mode():
+        _modules_forward(model, input_ids, pos, ctx, keep_idx)
     return [ctx.windows.get(i) for i in range(num_layers)]
 
 
