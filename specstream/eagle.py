@@ -95,10 +95,7 @@ class _HeadState:
     table: list[int] = field(default_factory=list)
     fed: int = 0  # head rows 0 .. fed - 1 (positions base ..) are computed from the target's features
     pending: list[torch.Tensor] = field(default_factory=list)  # features of positions base + fed, ...
-
-    @property
-    def num_pending(self) -> int:
-        return sum(len(p) for p in self.pending)
+    num_pending: int = 0  # rows in pending, counted as they come (a sequence that rarely drafts piles up many)
 
 
 class EagleProposer(Proposer):
@@ -123,7 +120,11 @@ class EagleProposer(Proposer):
         if start > expected:
             raise RuntimeError(f"draft head of {seq.request_id}: features from position {start}, expected {expected}")
         if start + len(features) > expected:
-            state.pending.append(features[expected - start :])
+            # A copy: a decode step's rows are views of the whole step's features, which a
+            # view would keep alive for as long as the sequence waits to draft.
+            rows = features[expected - start :].clone()
+            state.pending.append(rows)
+            state.num_pending += len(rows)
 
     def release(self, seq: Sequence) -> None:
         state = self._state.pop(seq.request_id, None)
@@ -200,6 +201,7 @@ class EagleProposer(Proposer):
         for st, f in zip(states, feats):
             st.fed += len(f)
             st.pending = []
+            st.num_pending = 0
         return torch.stack(out_logits), torch.stack(out_hidden)
 
     def _step(self, items: list[ForwardItem], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

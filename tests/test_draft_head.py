@@ -239,6 +239,23 @@ def test_head_kv_after_rejections_equals_a_fresh_recompute(trained, target_dir, 
     assert fresh_head_drafts(engine, seq, 0) == live.propose([seq], [6])[0].tokens
 
 
+def test_waiting_features_are_counted_and_hold_only_their_own_rows(trained, target_dir, chats):
+    """Features wait until a sequence next drafts (under load, maybe for its whole life): each
+    waiting piece must be a copy, not a view that keeps the whole step's features alive, and
+    the count of waiting rows must not cost a walk over them."""
+    engine = engine_for(target_dir, "eagle", trained[0], k=6)
+    seqs = [engine.prepare(c, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for c in chats[:3]]
+    for seq in seqs:
+        engine.submit(seq)
+    for _ in range(4):
+        engine.step()
+        for seq in seqs:
+            state = engine.proposer._state[seq.request_id]
+            assert state.num_pending == sum(len(p) for p in state.pending) > 0
+            assert all(p.untyped_storage().nbytes() == p.nbytes for p in state.pending)
+            assert state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
+
+
 def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):
     plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), RAW_PROMPTS, max_tokens=60)]
     engine = engine_for(target_dir, "eagle", trained[0], kv_cache_tokens=160, kv_block_size=16)
