@@ -14,14 +14,23 @@ ones that do.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specstream.attention import StepContext, attend, attend_short, explicit_pays
 from specstream.quant import Kernel, Linear, project
+
+log = logging.getLogger("specstream.fast_llama")
 
 
 def supports(model) -> bool:
@@ -59,6 +68,13 @@ COMPILED_MAX_ROWS = 16
 # 32 s / 7.5 s / 10.6-11.5 ms, 5 layers 44 s / 9.0 s / 11.2 ms, 10 layers 75 s / - / 10.5 ms. One layer
 # keeps a restart under 10 s (the engine is ready in about 8.4 s, against 12 s with 3 layers).
 LAYERS_PER_GRAPH = 1
+# Steps of one sequence (a lone decode step, one sequence's verification: what a single user's stream
+# runs) instead take one call that runs every layer, saving the dispatch of all the others (about 2 ms
+# of a 13 ms decode step of the bundled model here). Unrolling all layers makes its graph slow to trace
+# (dynamo: about 25 s per restart for the bundled model) and to build (inductor: about 45 s, once per
+# machine), so it is compiled ahead of time (torch's aot_compile) and the compiled function kept on
+# disk: a restart loads it in about a second, tracing nothing. Batched steps keep LAYERS_PER_GRAPH.
+WHOLE_STEPS = True
 
 
 def dense_linear(names: list[str], weight: torch.Tensor) -> Linear:
@@ -67,6 +83,74 @@ def dense_linear(names: list[str], weight: torch.Tensor) -> Linear:
 
 def _call(projection: Projection, x: torch.Tensor) -> torch.Tensor:
     return projection(x)
+
+
+@dataclass(frozen=True)
+class LayerMath:
+    """A decoder layer's arithmetic, given its weights: sizes and constants only, no tensors. The
+    compiled layer is a function of this object and tensors, so it pickles small (whole_step_fn)
+    and a compiled graph depends on nothing but what its guards check."""
+
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    inter: int
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, proj=_call):
+        """Rows in, rotated q [n, heads, d] and k, v [n, kv_heads, d] out: what attention reads.
+        proj(layer's projection, x) applies a projection (a Linear, or in the compiled layer a Kernel)."""
+        w_in, w_qkv = layer[0], layer[1]
+        n = x.shape[0]
+        q, k, v = proj(w_qkv, self.rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = self.rotate(q.view(n, self.heads, self.head_dim), cos, sin)
+        k = self.rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(n, self.kv_heads, self.head_dim)
+
+    def block_out(self, layer, x: torch.Tensor, attn: torch.Tensor, proj=_call) -> torch.Tensor:
+        """The rest of a decoder layer, row by row: output projection, residual, MLP, residual."""
+        _, _, w_o, w_post, w_gate_up, w_down = layer
+        x = x + proj(w_o, attn)
+        gate, up = proj(w_gate_up, self.rms(x, w_post)).split((self.inter, self.inter), dim=-1)
+        return x + proj(w_down, F.silu(gate) * up)
+
+    def short_layers(self, x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index, layers: tuple) -> tuple:
+        """Consecutive decoder layers of a short step (layers: (keys, values, weights) of each); returns
+        the residual stream after each, so a draft head can read the ones it needs."""
+        outs = []
+        for keys, values, layer in layers:
+            x = self.short_layer(x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer)
+            outs.append(x)
+        return tuple(outs)
+
+    def short_layer(
+        self, x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer: tuple
+    ) -> torch.Tensor:
+        """One decoder layer of a short step, as a function of tensors (what compile() traces)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(layer, x, cos, sin, project)
+        out = attend_short(keys, values, slot_mapping, q.transpose(0, 1), k, v, kv_index, mask, q_index, out_index, self.scaling)
+        return self.block_out(layer, x, out.transpose(0, 1).reshape(n, self.q_size), project)
 
 
 class FastLlama:
@@ -93,19 +177,23 @@ class FastLlama:
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
             self.layers.append(
                 (
-                    layer.input_layernorm.weight,
+                    layer.input_layernorm.weight.detach(),
                     linear([name(f"self_attn.{p}_proj") for p in "qkv"], _fuse(qkv)),
                     linear([name("self_attn.o_proj")], attn.o_proj.weight.data),
-                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.weight.detach(),
                     linear([name("mlp.gate_proj"), name("mlp.up_proj")], _fuse(gate_up)),
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
         self.q_size = self.heads * self.head_dim
-        self.kv_size = self.kv_heads * self.head_dim
-        self.inter = cfg.intermediate_size
+        self.math = LayerMath(self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling, cfg.intermediate_size)
         # The compiled layer (see compile()): None until compiled.
         self._compiled = None
+        # The whole-step functions (see WHOLE_STEPS) by step kind, "decode" or "verify"; None where
+        # building one failed. whole_dir: where they are kept between starts (set by the runner).
+        self.whole_steps = WHOLE_STEPS
+        self.whole_dir: Path | None = None
+        self._whole: dict[str, Any] = {}
         self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
         self._spans: list[range] = []  # the layers each compiled call runs
         self.compiled_rows = 0
@@ -143,28 +231,11 @@ class FastLlama:
         ]
         per_call = max(g for g in range(1, LAYERS_PER_GRAPH + 1) if len(self.layers) % g == 0)
         self._spans = [range(i, i + per_call) for i in range(0, len(self.layers), per_call)]
-        self._compiled = torch.compile(self._short_layers)
+        self._compiled = torch.compile(self.math.short_layers)
 
     def decompile(self) -> None:
         self._compiled, self._kernels, self._spans, self.compiled_rows = None, [], [], 0
-
-    def _short_layers(self, x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index, layers: tuple) -> tuple:
-        """Consecutive decoder layers of a short step (layers: (keys, values, weights) of each); returns
-        the residual stream after each, so a draft head can read the ones it needs."""
-        outs = []
-        for keys, values, layer in layers:
-            x = self._short_layer(x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer)
-            outs.append(x)
-        return tuple(outs)
-
-    def _short_layer(
-        self, x, cos, sin, keys, values, slot_mapping, kv_index, mask, q_index, out_index, layer: tuple
-    ) -> torch.Tensor:
-        """One decoder layer of a short step, as a function of tensors (what compile() traces)."""
-        n = x.shape[0]
-        q, k, v = self._qkv(layer, x, cos, sin, project)
-        out = attend_short(keys, values, slot_mapping, q.transpose(0, 1), k, v, kv_index, mask, q_index, out_index, self.scaling)
-        return self._block_out(layer, x, out.transpose(0, 1).reshape(n, self.q_size), project)
+        self._whole = {}
 
     def _takes_compiled(self, ctx: StepContext, rows: int) -> bool:
         if self._compiled is None or rows > self.compiled_rows or len(ctx.groups) != 1:
@@ -177,17 +248,82 @@ class FastLlama:
         group = ctx.groups[0]
         view = group.key_view(None, False)
         step = (ctx.slot_mapping, view.kv_index, view.mask, group.q_index, group.out_index)
-        if self._warming:
-            _mark_dynamic(x, cos, sin, *step)
         pool = ctx.pool
-        for span in self._spans:
+        whole = self._whole_fn(x, cos, sin, step, pool) if view.kv_index.shape[0] == 1 else None
+        if self._warming and whole is None:
+            _mark_dynamic(x, cos, sin, *step)
+        for span in [range(len(self.layers))] if whole is not None else self._spans:
             layers = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
-            outs = self._compiled(x, cos, sin, *step, layers)
+            if whole is not None:
+                outs = whole(self.math, x, cos, sin, *step, layers)
+            else:
+                outs = self._compiled(x, cos, sin, *step, layers)
             for i in span:
                 if i in aux_layers:
                     aux[i] = x if i == span.start else outs[i - span.start - 1]
             x = outs[-1]
         return x
+
+    # ------------------------------------------------------------------ whole steps
+    def _whole_fn(self, x, cos, sin, step: tuple, pool):
+        """The whole-step function for a step of one sequence, or None (off, not built, or this step
+        is not what its guards allow: then the step takes the per-layer calls)."""
+        if not self.whole_steps:
+            return None
+        kind = "decode" if x.shape[0] == 1 else "verify"
+        args = (self.math, x, cos, sin, *step, tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in range(len(self.layers))))
+        if kind not in self._whole:
+            if not self._warming:
+                return None
+            self._whole[kind] = self._build_whole(kind, args)
+        fn = self._whole[kind]
+        return fn if fn is not None and fn.guard_check(*args) else None
+
+    def _build_whole(self, kind: str, args: tuple):
+        """Load the whole-step function for this kind of step from whole_dir, or compile it ahead of
+        time (and keep it there). args: an example call, from the warm-up step."""
+        path = self.whole_dir / f"{kind}-{_whole_key(args)}.bin" if self.whole_dir is not None else None
+        if path is not None and path.is_file():
+            try:
+                with path.open("rb") as f:
+                    fn = torch.compiler.load_compiled_function(f, f_globals=globals())
+                fn.disable_guard_check()  # checked per call by _whole_fn, before the call
+                if fn.guard_check(*args):
+                    return fn
+                log.info(
+                    "the kept whole-step function %s does not fit this forward (%s); compiling it again",
+                    path.name,
+                    _guard_failure(fn, args),
+                )
+            except Exception as exc:  # noqa: BLE001 - a stale or broken file is rebuilt
+                log.warning("could not load %s (%s: %s); compiling it again", path, type(exc).__name__, exc)
+        # Sizes are marked only now: a function loaded from disk records none as marked (torch 2.13), so
+        # its guards refuse a marked tensor; they take unmarked ones of any size the graph allows.
+        _mark_dynamic(*args[1:-1])
+        for keys, values, _ in args[-1]:
+            torch._dynamo.maybe_mark_dynamic(keys, 0)  # any pool size
+            torch._dynamo.maybe_mark_dynamic(values, 0)
+        start = time.perf_counter()
+        try:
+            compiled = torch.compile(LayerMath.short_layers, fullgraph=True, options={"guard_filter_fn": _kept_guards})
+            fn = compiled.aot_compile((args, {}))
+        except Exception as exc:  # noqa: BLE001 - the per-layer calls still serve these steps
+            log.warning(
+                "compiling the whole-model graph of %s steps failed (%s: %s); they run one call per layer",
+                kind,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        fn.disable_guard_check()
+        log.info("compiled the whole-model graph of one sequence's %s steps in %.1f s", kind, time.perf_counter() - start)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fn.save_compiled_function(str(path))
+            except Exception as exc:  # noqa: BLE001 - serving goes on; the next start compiles again
+                log.warning("could not keep the whole-step function in %s: %s", path, exc)
+        return fn
 
     def warm_up(self, forward: Callable[[], object]) -> None:
         """Run forward() (steps chosen by the caller to cover the graphs short steps need) with the
@@ -199,17 +335,6 @@ class FastLlama:
         finally:
             self._warming = False
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -217,25 +342,8 @@ class FastLlama:
         sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
         return cos, sin
 
-    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, proj=_call):
-        """Rows in, rotated q [n, heads, d] and k, v [n, kv_heads, d] out: what attention reads.
-        proj(layer's projection, x) applies a projection (a Linear, or in the compiled layer a Kernel)."""
-        w_in, w_qkv = layer[0], layer[1]
-        n = x.shape[0]
-        q, k, v = proj(w_qkv, self._rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = self._rotate(q.view(n, self.heads, self.head_dim), cos, sin)
-        k = self._rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(n, self.kv_heads, self.head_dim)
-
-    def _block_out(self, layer, x: torch.Tensor, attn: torch.Tensor, proj=_call) -> torch.Tensor:
-        """The rest of a decoder layer, row by row: output projection, residual, MLP, residual."""
-        _, _, w_o, w_post, w_gate_up, w_down = layer
-        x = x + proj(w_o, attn)
-        gate, up = proj(w_gate_up, self._rms(x, w_post)).split((self.inter, self.inter), dim=-1)
-        return x + proj(w_down, F.silu(gate) * up)
-
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return self.lm_head(self.math.rms(x, self.norm)).float()
 
     def _rows(self, fn, *tensors: torch.Tensor):
         """fn over row-aligned tensors. With a tile, in fixed-shape pieces: each tensor is padded
@@ -277,9 +385,9 @@ class FastLlama:
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux[i] = x
-            q, k, v = self._rows(partial(self._qkv, layer), x, cos, sin)
+            q, k, v = self._rows(partial(self.math.qkv, layer), x, cos, sin)
             out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.scaling)
-            x = self._rows(partial(self._block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.q_size))
+            x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.q_size))
         return self._finish(x, keep, aux_layers, aux)
 
     def _finish(self, x: torch.Tensor, keep: torch.Tensor, aux_layers: tuple[int, ...], aux: dict):
@@ -290,8 +398,14 @@ class FastLlama:
 
 
 def _mark_dynamic(x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index) -> None:
-    """Tell the tracer which sizes vary from step to step: rows, sequences, query run, context."""
-    mark = torch._dynamo.maybe_mark_dynamic
+    """Tell the tracer which sizes vary from step to step: rows, sequences, query run, context. A size
+    of 1 is left unmarked: the tracer specializes it anyway, and a function kept on disk records it as
+    unmarked, so a marked one would fail its guards when loaded."""
+
+    def mark(t: torch.Tensor, dim: int) -> None:
+        if t.shape[dim] != 1:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
     for t in (x, cos, sin, slot_mapping, out_index):
         mark(t, 0)
     for dim in (0, 1):
@@ -300,3 +414,45 @@ def _mark_dynamic(x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index)
     if mask is not None:
         for dim in (0, 2, 3):
             mark(mask, dim)
+
+
+def _kept_guards(guards) -> list[bool]:
+    """Guards a compiled function kept on disk can carry: those on object identity (ID_MATCH and the
+    like) cannot be saved. What they protect (this module's code, the functions it calls) is in the
+    file's key instead (_whole_key); shapes, dtypes and constants stay guarded."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [g.guard_type not in unsaved and not unsaved.intersection(g.derived_guard_types or ()) for g in guards]
+
+
+def _whole_key(args: tuple) -> str:
+    """What a kept whole-step function depends on beyond its guards: torch, the code it runs, and
+    (so that configurations keep separate files) the layer sizes, dtypes and kernel kinds."""
+    from specstream import attention, quant
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for module in (sys.modules[__name__], attention, quant):
+        h.update(Path(module.__file__).read_bytes())
+    math, x, layers = args[0], args[1], args[-1]
+    kernels = [_signature(layer[2]) for layer in layers]
+    h.update(repr((math, x.dtype, x.device.type, layers[0][0].dtype, tuple(layers[0][0].shape[1:]), kernels)).encode())
+    return h.hexdigest()[:20]
+
+
+def _signature(obj):
+    """Shapes and dtypes in place of tensors, recursively: what a key may depend on."""
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), str(obj.dtype))
+    if isinstance(obj, (tuple, list)):
+        return tuple(_signature(o) for o in obj)
+    return obj
+
+
+def _guard_failure(fn, args: tuple) -> str:
+    """The first guard of fn that args fail, for the log (torch's internals: best effort)."""
+    try:
+        info = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args))
+        return str(info)[:600]
+    except Exception:  # noqa: BLE001
+        return "a guard failed"

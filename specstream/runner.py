@@ -95,6 +95,7 @@ class ModelRunner:
         tables = [self.pool.new_table(), self.pool.new_table()]
         try:
             self.fast.compile()
+            self.fast.whole_dir = cache_dir() / "compiled"
             rows = self.fast.compiled_rows
             if not rows:
                 return "eager (no step shape to compile)"
@@ -119,8 +120,15 @@ class ModelRunner:
         finally:
             for t in tables:
                 self.pool.free(t)
-        log.info("compiled the forward's steps of <= %d rows: %d step shapes in %.1f s", rows, len(steps), time.perf_counter() - start)
-        return f"compiled (steps of <= {rows} rows)"
+        whole = sorted(kind for kind, fn in self.fast._whole.items() if fn is not None)
+        log.info(
+            "compiled the forward's steps of <= %d rows: %d step shapes in %.1f s (one call for all layers: %s)",
+            rows,
+            len(steps),
+            time.perf_counter() - start,
+            ", ".join(whole) or "none",
+        )
+        return f"compiled (steps of <= {rows} rows" + (f"; one call: {', '.join(whole)})" if whole else ")")
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):

@@ -143,10 +143,68 @@ def test_long_steps_stay_eager(compiled):
     try:
         _step(compiled.runner, [(0, fast.compiled_rows + 1)])
         assert calls["n"] == 0
-        _step(compiled.runner, [(0, 1)])
+        _step(compiled.runner, [(4, 1), (3, 1)])
         assert calls["n"] == len(fast._spans) == 1
     finally:
         fast._compiled = real
+
+
+def _count_whole_calls(fast) -> dict:
+    calls = {"decode": 0, "verify": 0}
+    for kind, fn in list(fast._whole.items()):
+
+        def counted(*args, _fn=fn, _kind=kind):
+            calls[_kind] += 1
+            return _fn(*args)
+
+        counted.guard_check = fn.guard_check
+        fast._whole[kind] = counted
+    return calls
+
+
+def test_one_sequence_steps_run_every_layer_in_one_call_kept_on_disk(tiny_model_dir, monkeypatch, tmp_path, caplog):
+    """A lone decode step and one sequence's verification run all layers in one precompiled call:
+    built at the first start, kept under the cache, loaded (nothing compiled) by the next start,
+    taken by steps of any context and run length, with the eager forward's tokens."""
+    from specstream import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [make_engine(tiny_model_dir, compile=False).generate(p, greedy)[0].token_ids for p in PROMPTS]
+    caplog.set_level("INFO", logger="specstream")
+    first = make_engine(tiny_model_dir, compile=True)
+    assert "compiled the whole-model graph of one sequence's decode steps" in caplog.text
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "compiled").iterdir()) == ["decode", "verify"]
+    caplog.clear()
+    second = make_engine(tiny_model_dir, compile=True)
+    assert "compiled the whole-model graph" not in caplog.text  # loaded, not compiled
+    for engine in (first, second):
+        fast = engine.runner.fast
+        assert all(fast._whole[kind] is not None for kind in ("decode", "verify"))
+        calls = _count_whole_calls(fast)
+        assert [engine.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
+        assert calls["decode"] > 0 and calls["verify"] > 0
+        before = dict(calls)
+        for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, fast.compiled_rows)]):
+            _step(engine.runner, shape)
+        assert calls["decode"] == before["decode"] + 2 and calls["verify"] == before["verify"] + 2
+
+
+def test_a_whole_step_function_that_fails_to_build_leaves_the_per_layer_calls(tiny_model_dir, monkeypatch, tmp_path, caplog):
+    from specstream import runner as runner_module
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("aot_compile is not available")
+
+    monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(fast_llama, "_kept_guards", refuse)  # fails inside the ahead-of-time compile
+    engine = make_engine(tiny_model_dir, compile=True, method="off")
+    fast = engine.runner.fast
+    assert fast._whole == {"decode": None, "verify": None} and fast.compiled_rows > 0
+    assert "one call per layer" in caplog.text
+    eager = make_engine(tiny_model_dir, compile=False, method="off")
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    assert engine.generate("Paris", greedy)[0].token_ids == eager.generate("Paris", greedy)[0].token_ids
 
 
 def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, monkeypatch, caplog):
