@@ -203,7 +203,7 @@ class FastLlama:
 
     # ------------------------------------------------------------------ compiled layer
     def compile(self) -> None:
-        """Route short steps through one torch.compile'd decoder layer.
+        """Route short steps through the compiled layer.
 
         A decode or verification step of a small model on a CPU is mostly overhead: each layer runs
         about sixty small ops (norms, rotary, residuals, casts, attention's gathers), each dispatched from
@@ -216,7 +216,8 @@ class FastLlama:
         at most the smallest row count where a projection's measured route changes kernel (quant.py),
         so a compiled graph holds exactly the kernels the eager forward would call. The graphs are
         traced on first use; the caller warms them up (runner.py) and inductor keeps the compiled
-        code in its on-disk cache."""
+        code in its on-disk cache. Steps of one sequence take whole-step functions instead (see
+        WHOLE_STEPS), built or loaded from whole_dir during the same warm-up."""
         if self.tile:
             raise ValueError("the compiled layer does not tile: invariant mode runs eager")
         linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]

@@ -1,5 +1,6 @@
-"""The compiled forward (EngineConfig.compile, FastLlama.compile): short steps run one
-torch.compile'd decoder layer per layer. It must give the tokens the eager forward gives, cover
+"""The compiled forward (EngineConfig.compile, FastLlama.compile): one sequence's short steps run
+every layer in one call compiled ahead of time and kept on disk; batched ones run torch.compile'd
+layers. It must give the tokens the eager forward gives, cover
 every short step with the graphs traced at start-up (no compile while serving), leave long steps
 eager, and fall back to eager where compiling fails."""
 
