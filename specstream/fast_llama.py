@@ -61,20 +61,19 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer.
 COMPILED_MAX_RUN = 16
 COMPILED_MAX_ROWS = 16
-# Layers per compiled call (at most; a divisor of the layer count). Each call of a compiled function
-# costs dispatch (guards, wrappers: about 0.1 ms here), so more layers per call cut it, while compile
-# time grows with the layers a graph unrolls. Measured on the bundled model (30 layers, 2 threads, a
-# 1-row step; first start's compile / later starts' / step): 1 layer 10 s / 5.4 s / 12.5 ms, 3 layers
-# 32 s / 7.5 s / 10.6-11.5 ms, 5 layers 44 s / 9.0 s / 11.2 ms, 10 layers 75 s / - / 10.5 ms. One layer
-# keeps a restart under 10 s (the engine is ready in about 8.4 s, against 12 s with 3 layers).
+# Layers per compiled call of a batched step (at most; a divisor of the layer count). Each call of a
+# compiled function costs dispatch (guards, wrappers: about 80 us here), so more layers per call cut
+# it, while compile time grows with the layers a graph unrolls (inductor: about 45 s for all 30 of the
+# bundled model's, against 5 s for one). Batched steps are longer, so their share of dispatch is less.
 LAYERS_PER_GRAPH = 1
 # Steps of one sequence (a lone decode step, one sequence's verification: what a single user's stream
-# runs) instead take one call that runs every layer, saving the dispatch of all the others (about 2 ms
-# of a 13 ms decode step of the bundled model here). Unrolling all layers makes its graph slow to trace
-# (dynamo: about 25 s per restart for the bundled model) and to build (inductor: about 45 s, once per
-# machine), so it is compiled ahead of time (torch's aot_compile) and the compiled function kept on
-# disk: a restart loads it in about a second, tracing nothing. Batched steps keep LAYERS_PER_GRAPH.
+# runs) take one call that runs every layer, saving the dispatch of all the others (about 2 ms of a
+# 13 ms decode step of the bundled model here).
 WHOLE_STEPS = True
+# Every kind of short step runs a function compiled ahead of time (torch's aot_compile) and kept on
+# disk (kept_dir), so that a restart loads it, tracing nothing: dynamo takes about 25 s to trace a graph
+# that unrolls 30 layers, and about 1 s per kind for one layer.
+KINDS = ("decode", "verify", "batch-decode", "batch-verify")
 
 
 def dense_linear(names: list[str], weight: torch.Tensor) -> Linear:
@@ -189,11 +188,14 @@ class FastLlama:
         self.math = LayerMath(self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling, cfg.intermediate_size)
         # The compiled layer (see compile()): None until compiled.
         self._compiled = None
-        # The whole-step functions (see WHOLE_STEPS) by step kind, "decode" or "verify"; None where
-        # building one failed. whole_dir: where they are kept between starts (set by the runner).
+        # The functions compiled ahead of time, by kind of step (KINDS); None where building one failed
+        # (those steps take the torch.compile'd calls). kept_dir: where they are kept between starts
+        # (set by the runner). _uniform: every layer has the same kernels, so a function whose guards
+        # pass for one layer passes for all.
         self.whole_steps = WHOLE_STEPS
-        self.whole_dir: Path | None = None
-        self._whole: dict[str, Any] = {}
+        self.kept_dir: Path | None = None
+        self._kept: dict[str, Any] = {}
+        self._uniform = False
         self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
         self._spans: list[range] = []  # the layers each compiled call runs
         self.compiled_rows = 0
@@ -216,8 +218,9 @@ class FastLlama:
         at most the smallest row count where a projection's measured route changes kernel (quant.py),
         so a compiled graph holds exactly the kernels the eager forward would call. The graphs are
         traced on first use; the caller warms them up (runner.py) and inductor keeps the compiled
-        code in its on-disk cache. Steps of one sequence take whole-step functions instead (see
-        WHOLE_STEPS), built or loaded from whole_dir during the same warm-up."""
+        code in its on-disk cache. Short steps take functions compiled ahead of time instead (see
+        KINDS), built or loaded from kept_dir during the same warm-up; the torch.compile'd layer is
+        their fallback."""
         if self.tile:
             raise ValueError("the compiled layer does not tile: invariant mode runs eager")
         linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
@@ -232,11 +235,12 @@ class FastLlama:
         ]
         per_call = max(g for g in range(1, LAYERS_PER_GRAPH + 1) if len(self.layers) % g == 0)
         self._spans = [range(i, i + per_call) for i in range(0, len(self.layers), per_call)]
+        self._uniform = len({_signature(k) for k in self._kernels}) == 1
         self._compiled = torch.compile(self.math.short_layers)
 
     def decompile(self) -> None:
         self._compiled, self._kernels, self._spans, self.compiled_rows = None, [], [], 0
-        self._whole = {}
+        self._kept = {}
 
     def _takes_compiled(self, ctx: StepContext, rows: int) -> bool:
         if self._compiled is None or rows > self.compiled_rows or len(ctx.groups) != 1:
@@ -250,13 +254,18 @@ class FastLlama:
         view = group.key_view(None, False)
         step = (ctx.slot_mapping, view.kv_index, view.mask, group.q_index, group.out_index)
         pool = ctx.pool
-        whole = self._whole_fn(x, cos, sin, step, pool) if view.kv_index.shape[0] == 1 else None
-        if self._warming and whole is None:
-            _mark_dynamic(x, cos, sin, *step)
-        for span in [range(len(self.layers))] if whole is not None else self._spans:
+        single, run1 = view.kv_index.shape[0] == 1, group.q_index.shape[1] == 1
+        kind = ("decode" if run1 else "verify") if single else ("batch-decode" if run1 else "batch-verify")
+        spans = [range(len(self.layers))] if single and self.whole_steps else self._spans
+        kept = self._kept_fn(kind, spans[0], x, cos, sin, step, pool)
+        if kept is None:
+            spans = self._spans
+            if self._warming:
+                _mark_dynamic(x, cos, sin, *step)
+        for n, span in enumerate(spans):
             layers = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
-            if whole is not None:
-                outs = whole(self.math, x, cos, sin, *step, layers)
+            if kept is not None and (n == 0 or self._uniform or kept.guard_check(self.math, x, cos, sin, *step, layers)):
+                outs = kept(self.math, x, cos, sin, *step, layers)
             else:
                 outs = self._compiled(x, cos, sin, *step, layers)
             for i in span:
@@ -265,36 +274,31 @@ class FastLlama:
             x = outs[-1]
         return x
 
-    # ------------------------------------------------------------------ whole steps
-    def _whole_fn(self, x, cos, sin, step: tuple, pool):
-        """The whole-step function for a step of one sequence, or None (off, not built, or this step
-        is not what its guards allow: then the step takes the per-layer calls)."""
-        if not self.whole_steps:
-            return None
-        kind = "decode" if x.shape[0] == 1 else "verify"
-        args = (self.math, x, cos, sin, *step, tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in range(len(self.layers))))
-        if kind not in self._whole:
+    # ------------------------------------------------------------------ functions kept on disk
+    def _kept_fn(self, kind: str, span: range, x, cos, sin, step: tuple, pool):
+        """The kept function for this kind of step, or None (not built, or this step is not what its
+        guards allow: then the step takes the torch.compile'd calls)."""
+        args = (self.math, x, cos, sin, *step, tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span))
+        if kind not in self._kept:
             if not self._warming:
                 return None
-            self._whole[kind] = self._build_whole(kind, args)
-        fn = self._whole[kind]
+            self._kept[kind] = self._build_kept(kind, args)
+        fn = self._kept[kind]
         return fn if fn is not None and fn.guard_check(*args) else None
 
-    def _build_whole(self, kind: str, args: tuple):
-        """Load the whole-step function for this kind of step from whole_dir, or compile it ahead of
-        time (and keep it there). args: an example call, from the warm-up step."""
-        path = self.whole_dir / f"{kind}-{_whole_key(args)}.bin" if self.whole_dir is not None else None
+    def _build_kept(self, kind: str, args: tuple):
+        """Load the function for this kind of step from kept_dir, or compile it ahead of time (and keep
+        it there). args: an example call, from the warm-up step."""
+        path = self.kept_dir / f"{kind}-{_kept_key(args)}.bin" if self.kept_dir is not None else None
         if path is not None and path.is_file():
             try:
                 with path.open("rb") as f:
                     fn = torch.compiler.load_compiled_function(f, f_globals=globals())
-                fn.disable_guard_check()  # checked per call by _whole_fn, before the call
+                fn.disable_guard_check()  # checked by _kept_fn, before the call
                 if fn.guard_check(*args):
                     return fn
                 log.info(
-                    "the kept whole-step function %s does not fit this forward (%s); compiling it again",
-                    path.name,
-                    _guard_failure(fn, args),
+                    "the kept function %s does not fit this forward (%s); compiling it again", path.name, _guard_failure(fn, args)
                 )
             except Exception as exc:  # noqa: BLE001 - a stale or broken file is rebuilt
                 log.warning("could not load %s (%s: %s); compiling it again", path, type(exc).__name__, exc)
@@ -308,22 +312,24 @@ class FastLlama:
         try:
             compiled = torch.compile(LayerMath.short_layers, fullgraph=True, options={"guard_filter_fn": _kept_guards})
             fn = compiled.aot_compile((args, {}))
-        except Exception as exc:  # noqa: BLE001 - the per-layer calls still serve these steps
+        except Exception as exc:  # noqa: BLE001 - the torch.compile'd calls still serve these steps
             log.warning(
-                "compiling the whole-model graph of %s steps failed (%s: %s); they run one call per layer",
+                "compiling %s steps ahead of time failed (%s: %s); they take the per-layer torch.compile'd calls",
                 kind,
                 type(exc).__name__,
                 exc,
             )
             return None
         fn.disable_guard_check()
-        log.info("compiled the whole-model graph of one sequence's %s steps in %.1f s", kind, time.perf_counter() - start)
+        log.info(
+            "compiled %s steps ahead of time (%d layers per call) in %.1f s", kind, len(args[-1]), time.perf_counter() - start
+        )
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fn.save_compiled_function(str(path))
             except Exception as exc:  # noqa: BLE001 - serving goes on; the next start compiles again
-                log.warning("could not keep the whole-step function in %s: %s", path, exc)
+                log.warning("could not keep the compiled function in %s: %s", path, exc)
         return fn
 
     def warm_up(self, forward: Callable[[], object]) -> None:
@@ -420,15 +426,15 @@ def _mark_dynamic(x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index)
 def _kept_guards(guards) -> list[bool]:
     """Guards a compiled function kept on disk can carry: those on object identity (ID_MATCH and the
     like) cannot be saved. What they protect (this module's code, the functions it calls) is in the
-    file's key instead (_whole_key); shapes, dtypes and constants stay guarded."""
+    file's key instead (_kept_key); shapes, dtypes and constants stay guarded."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [g.guard_type not in unsaved and not unsaved.intersection(g.derived_guard_types or ()) for g in guards]
 
 
-def _whole_key(args: tuple) -> str:
-    """What a kept whole-step function depends on beyond its guards: torch, the code it runs, and
+def _kept_key(args: tuple) -> str:
+    """What a kept function depends on beyond its guards: torch, the code it runs, and
     (so that configurations keep separate files) the layer sizes, dtypes and kernel kinds."""
     from specstream import attention, quant
 

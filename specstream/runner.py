@@ -95,7 +95,7 @@ class ModelRunner:
         tables = [self.pool.new_table(), self.pool.new_table()]
         try:
             self.fast.compile()
-            self.fast.whole_dir = cache_dir() / "compiled"
+            self.fast.kept_dir = cache_dir() / "compiled"
             rows = self.fast.compiled_rows
             if not rows:
                 return "eager (no step shape to compile)"
@@ -120,15 +120,15 @@ class ModelRunner:
         finally:
             for t in tables:
                 self.pool.free(t)
-        whole = sorted(kind for kind, fn in self.fast._whole.items() if fn is not None)
+        kept = [kind for kind in fast_llama.KINDS if self.fast._kept.get(kind) is not None]
         log.info(
-            "compiled the forward's steps of <= %d rows: %d step shapes in %.1f s (one call for all layers: %s)",
+            "compiled the forward's steps of <= %d rows: %d step shapes in %.1f s (compiled ahead of time: %s)",
             rows,
             len(steps),
             time.perf_counter() - start,
-            ", ".join(whole) or "none",
+            ", ".join(kept) or "none",
         )
-        return f"compiled (steps of <= {rows} rows" + (f"; one call: {', '.join(whole)})" if whole else ")")
+        return f"compiled (steps of <= {rows} rows" + ("; one call per step of one sequence)" if self.fast.whole_steps else ")")
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):

@@ -131,42 +131,41 @@ def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, monkeypatch)
     torch.testing.assert_close(out, want, rtol=0.05, atol=0.15)
 
 
-def test_long_steps_stay_eager(compiled):
-    fast = compiled.runner.fast
-    calls = {"n": 0}
-    real = fast._compiled
-
-    def counted(*args):
-        calls["n"] += 1
-        return real(*args)
-
-    fast._compiled = counted
-    try:
-        _step(compiled.runner, [(0, fast.compiled_rows + 1)])
-        assert calls["n"] == 0
-        _step(compiled.runner, [(4, 1), (3, 1)])
-        assert calls["n"] == len(fast._spans) == 1
-    finally:
-        fast._compiled = real
-
-
-def _count_whole_calls(fast) -> dict:
-    calls = {"decode": 0, "verify": 0}
-    for kind, fn in list(fast._whole.items()):
+def _count_kept_calls(fast) -> dict:
+    calls = dict.fromkeys(fast._kept, 0)
+    for kind, fn in list(fast._kept.items()):
 
         def counted(*args, _fn=fn, _kind=kind):
             calls[_kind] += 1
             return _fn(*args)
 
         counted.guard_check = fn.guard_check
-        fast._whole[kind] = counted
+        fast._kept[kind] = counted
     return calls
 
 
-def test_one_sequence_steps_run_every_layer_in_one_call_kept_on_disk(tiny_model_dir, monkeypatch, tmp_path, caplog):
-    """A lone decode step and one sequence's verification run all layers in one precompiled call:
-    built at the first start, kept under the cache, loaded (nothing compiled) by the next start,
-    taken by steps of any context and run length, with the eager forward's tokens."""
+def test_long_steps_stay_eager(compiled):
+    fast = compiled.runner.fast
+    kept = dict(fast._kept)
+    calls = _count_kept_calls(fast)
+    try:
+        _step(compiled.runner, [(0, fast.compiled_rows + 1)])
+        assert sum(calls.values()) == 0
+        _step(compiled.runner, [(4, 1), (3, 1)])
+        assert calls["batch-decode"] == len(fast._spans) == 1
+        _step(compiled.runner, [(4, 1)])
+        assert calls["decode"] == 1
+    finally:
+        fast._kept = kept
+
+
+def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_disk(
+    tiny_model_dir, monkeypatch, tmp_path, caplog
+):
+    """Each kind of short step runs a function compiled ahead of time (one sequence's steps: every
+    layer in one call), built at the first start, kept under the cache and loaded by the next start
+    with nothing traced; steps of any context and run length take it, with the eager forward's
+    tokens."""
     from specstream import runner as runner_module
 
     monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)
@@ -174,24 +173,30 @@ def test_one_sequence_steps_run_every_layer_in_one_call_kept_on_disk(tiny_model_
     want = [make_engine(tiny_model_dir, compile=False).generate(p, greedy)[0].token_ids for p in PROMPTS]
     caplog.set_level("INFO", logger="specstream")
     first = make_engine(tiny_model_dir, compile=True)
-    assert "compiled the whole-model graph of one sequence's decode steps" in caplog.text
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "compiled").iterdir()) == ["decode", "verify"]
+    assert "compiled decode steps ahead of time (2 layers per call)" in caplog.text
+    assert sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "compiled").iterdir()) == sorted(fast_llama.KINDS)
     caplog.clear()
+    graphs = counters["stats"]["unique_graphs"]
     second = make_engine(tiny_model_dir, compile=True)
-    assert "compiled the whole-model graph" not in caplog.text  # loaded, not compiled
+    assert "ahead of time (" not in caplog.text  # loaded, not compiled
+    assert counters["stats"]["unique_graphs"] == graphs  # and nothing traced
     for engine in (first, second):
         fast = engine.runner.fast
-        assert all(fast._whole[kind] is not None for kind in ("decode", "verify"))
-        calls = _count_whole_calls(fast)
+        assert all(fast._kept[kind] is not None for kind in fast_llama.KINDS)
+        calls = _count_kept_calls(fast)
         assert [engine.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
-        assert calls["decode"] > 0 and calls["verify"] > 0
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
+        assert all(calls[kind] > 0 for kind in fast_llama.KINDS)
         before = dict(calls)
-        for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, fast.compiled_rows)]):
+        for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, fast.compiled_rows)], [(40, 1), (90, 1)], [(40, 2), (7, 5)]):
             _step(engine.runner, shape)
-        assert calls["decode"] == before["decode"] + 2 and calls["verify"] == before["verify"] + 2
+        spans = len(fast._spans)  # batched steps: one call per LAYERS_PER_GRAPH layers
+        assert [calls[k] - before[k] for k in fast_llama.KINDS] == [2, 2, spans, spans]
 
 
-def test_a_whole_step_function_that_fails_to_build_leaves_the_per_layer_calls(tiny_model_dir, monkeypatch, tmp_path, caplog):
+def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compiled_calls(
+    tiny_model_dir, monkeypatch, tmp_path, caplog
+):
     from specstream import runner as runner_module
 
     def refuse(*args, **kwargs):
@@ -201,11 +206,14 @@ def test_a_whole_step_function_that_fails_to_build_leaves_the_per_layer_calls(ti
     monkeypatch.setattr(fast_llama, "_kept_guards", refuse)  # fails inside the ahead-of-time compile
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     fast = engine.runner.fast
-    assert fast._whole == {"decode": None, "verify": None} and fast.compiled_rows > 0
-    assert "one call per layer" in caplog.text
+    assert fast._kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0
+    assert "take the per-layer torch.compile'd calls" in caplog.text
     eager = make_engine(tiny_model_dir, compile=False, method="off")
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     assert engine.generate("Paris", greedy)[0].token_ids == eager.generate("Paris", greedy)[0].token_ids
+    assert [o.token_ids for o in engine.generate(PROMPTS[:2], greedy)] == [
+        o.token_ids for o in eager.generate(PROMPTS[:2], greedy)
+    ]
 
 
 def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, monkeypatch, caplog):
