@@ -5,6 +5,7 @@ at the step shapes that matter: a decode step (1 row), a verification (9 rows), 
     python benchmarks/quant_forward.py                         # bf16, modes none auto int4 (eager)
     python benchmarks/quant_forward.py --modes none auto --repeats 20
     python benchmarks/quant_forward.py --modes auto auto+compile int4 int4+compile   # the compiled forward
+    python benchmarks/quant_forward.py --modes auto+compile+layers auto+compile   # a call per layer vs per step
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from specstream import Engine, EngineConfig, SpeculativeConfig
+from specstream import Engine, EngineConfig, SpeculativeConfig, fast_llama
 from specstream.runner import ForwardItem
 
 CONTEXT = 256
@@ -26,16 +27,19 @@ def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"],
-                    help="quantization modes, each eager or as MODE+compile (the compiled forward)")
+                    help="quantization modes, each eager or as MODE+compile (the compiled forward: one call per "
+                         "step) or MODE+compile+layers (compiled, one call per layer: fast_llama.WHOLE_STEPS off)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     engines = {}
     for mode in args.modes:
-        quantization, _, compiled = mode.partition("+")
-        config = EngineConfig(dtype=args.dtype, quantization=quantization, compile=compiled == "compile",
+        quantization, *options = mode.split("+")
+        config = EngineConfig(dtype=args.dtype, quantization=quantization, compile="compile" in options,
                               speculative=SpeculativeConfig(method="off"))
+        fast_llama.WHOLE_STEPS = "layers" not in options
         engines[mode] = Engine(config)
+    fast_llama.WHOLE_STEPS = True
     tables = {}
     for mode, engine in engines.items():
         tables[mode] = []

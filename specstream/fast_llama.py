@@ -61,18 +61,16 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer.
 COMPILED_MAX_RUN = 16
 COMPILED_MAX_ROWS = 16
-# Layers per compiled call of a batched step (at most; a divisor of the layer count). Each call of a
-# compiled function costs dispatch (guards, wrappers: about 80 us here), so more layers per call cut
-# it, while compile time grows with the layers a graph unrolls (inductor: about 45 s for all 30 of the
-# bundled model's, against 5 s for one). Batched steps are longer, so their share of dispatch is less.
-LAYERS_PER_GRAPH = 1
-# Steps of one sequence (a lone decode step, one sequence's verification: what a single user's stream
-# runs) take one call that runs every layer, saving the dispatch of all the others (about 2 ms of a
-# 13 ms decode step of the bundled model here).
+# A short step runs every layer in one compiled call (WHOLE_STEPS): each call of a compiled function
+# costs dispatch (guards, wrappers: about 80 us here), so one call instead of 30 saves about 2 ms of a
+# 13 ms decode step of the bundled model (and 7% of a step of 8 streams). Such a graph is slow to trace
+# (dynamo: about 25 s for the bundled model's 30 layers) and to build (inductor: 30-45 s), so every
+# kind of short step (KINDS) runs a function compiled ahead of time (torch's aot_compile) and kept on
+# disk (kept_dir): only the first start on a machine builds them, and a restart loads them, tracing
+# nothing. Without them (WHOLE_STEPS off, or where building fails) a step takes torch.compile'd calls
+# of LAYERS_PER_GRAPH layers each (at most; a divisor of the layer count).
 WHOLE_STEPS = True
-# Every kind of short step runs a function compiled ahead of time (torch's aot_compile) and kept on
-# disk (kept_dir), so that a restart loads it, tracing nothing: dynamo takes about 25 s to trace a graph
-# that unrolls 30 layers, and about 1 s per kind for one layer.
+LAYERS_PER_GRAPH = 1
 KINDS = ("decode", "verify", "batch-decode", "batch-verify")
 
 
@@ -256,7 +254,7 @@ class FastLlama:
         pool = ctx.pool
         single, run1 = view.kv_index.shape[0] == 1, group.q_index.shape[1] == 1
         kind = ("decode" if run1 else "verify") if single else ("batch-decode" if run1 else "batch-verify")
-        spans = [range(len(self.layers))] if single and self.whole_steps else self._spans
+        spans = [range(len(self.layers))] if self.whole_steps else self._spans
         kept = self._kept_fn(kind, spans[0], x, cos, sin, step, pool)
         if kept is None:
             spans = self._spans

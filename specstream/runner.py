@@ -128,7 +128,7 @@ class ModelRunner:
             time.perf_counter() - start,
             ", ".join(kept) or "none",
         )
-        return f"compiled (steps of <= {rows} rows" + ("; one call per step of one sequence)" if self.fast.whole_steps else ")")
+        return f"compiled (steps of <= {rows} rows" + ("; one call per step)" if self.fast.whole_steps else ")")
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):
