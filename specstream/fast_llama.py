@@ -194,6 +194,7 @@ class FastLlama:
         self.kept_dir: Path | None = None
         self._kept: dict[str, Any] = {}
         self._uniform = False
+        self.refused: dict[str, int] = {}  # steps per kind whose kept function's guards refused them
         self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
         self._spans: list[range] = []  # the layers each compiled call runs
         self.compiled_rows = 0
@@ -282,7 +283,14 @@ class FastLlama:
                 return None
             self._kept[kind] = self._build_kept(kind, args)
         fn = self._kept[kind]
-        return fn if fn is not None and fn.guard_check(*args) else None
+        if fn is None:
+            return None
+        if not fn.guard_check(*args):
+            self.refused[kind] = self.refused.get(kind, 0) + 1
+            if self.refused[kind] == 1:
+                log.info("a %s step does not fit its kept function (%s); such steps take the torch.compile'd calls", kind, _guard_failure(fn, args))
+            return None
+        return fn
 
     def _build_kept(self, kind: str, args: tuple):
         """Load the function for this kind of step from kept_dir, or compile it ahead of time (and keep

@@ -189,6 +189,7 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
         for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, fast.compiled_rows)], [(40, 1), (90, 1)], [(40, 2), (7, 5)]):
             _step(engine.runner, shape)
         assert [calls[k] - before[k] for k in fast_llama.KINDS] == [2, 2, 1, 1]  # one call per step
+        assert fast.refused == {}
 
 
 def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compiled_calls(
@@ -203,7 +204,7 @@ def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compile
     monkeypatch.setattr(fast_llama, "_kept_guards", refuse)  # fails inside the ahead-of-time compile
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     fast = engine.runner.fast
-    assert fast._kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0
+    assert fast._kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0 and fast.refused == {}
     assert "take the per-layer torch.compile'd calls" in caplog.text
     eager = make_engine(tiny_model_dir, compile=False, method="off")
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
