@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -302,6 +303,7 @@ class FastLlama:
                     fn = torch.compiler.load_compiled_function(f, f_globals=globals())
                 fn.disable_guard_check()  # checked by _kept_fn, before the call
                 if fn.guard_check(*args):
+                    os.utime(path)  # in use: see _prune_kept
                     return fn
                 log.info(
                     "the kept function %s does not fit this forward (%s); compiling it again", path.name, _guard_failure(fn, args)
@@ -334,6 +336,7 @@ class FastLlama:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fn.save_compiled_function(str(path))
+                _prune_kept(path.parent)
             except Exception as exc:  # noqa: BLE001 - serving goes on; the next start compiles again
                 log.warning("could not keep the compiled function in %s: %s", path, exc)
         return fn
@@ -427,6 +430,21 @@ def _mark_dynamic(x, cos, sin, slot_mapping, kv_index, mask, q_index, out_index)
     if mask is not None:
         for dim in (0, 2, 3):
             mark(mask, dim)
+
+
+# A kept function no start has loaded for this long is deleted when another is saved (a new version
+# of the code, or a configuration no longer served, leaves its files behind).
+KEPT_UNUSED_DAYS = 30
+
+
+def _prune_kept(directory: Path) -> None:
+    cutoff = time.time() - KEPT_UNUSED_DAYS * 86400
+    for old in directory.glob("*.bin"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process pruned it first
+            pass
 
 
 def _kept_guards(guards) -> list[bool]:

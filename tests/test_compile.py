@@ -3,6 +3,7 @@ one call, compiled ahead of time and kept on disk (torch.compile'd layers where 
 every short step with the graphs traced at start-up (no compile while serving), leave long steps
 eager, and fall back to eager where compiling fails."""
 
+import os
 import shutil
 
 import pytest
@@ -175,9 +176,18 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
     assert sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "compiled").iterdir()) == sorted(fast_llama.KINDS)
     caplog.clear()
     graphs = counters["stats"]["unique_graphs"]
+    stale = tmp_path / "compiled" / "decode-0123456789abcdef0123.bin"  # a file no start loads any more
+    stale.write_bytes(b"old")
+    os.utime(stale, (0, 0))
+    kept = {p: p.stat().st_mtime for p in (tmp_path / "compiled").iterdir() if p != stale}
+    for p in kept:
+        os.utime(p, (0, 0))
     second = make_engine(tiny_model_dir, compile=True)
     assert "ahead of time (" not in caplog.text  # loaded, not compiled
     assert counters["stats"]["unique_graphs"] == graphs  # and nothing traced
+    assert all(p.stat().st_mtime > 0 for p in kept)  # loading marks a file as in use
+    fast_llama._prune_kept(tmp_path / "compiled")
+    assert not stale.exists() and all(p.exists() for p in kept)
     for engine in (first, second):
         fast = engine.runner.fast
         assert all(fast._kept[kind] is not None for kind in fast_llama.KINDS)
