@@ -86,7 +86,7 @@ def _call(projection: Projection, x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LayerMath:
     """A decoder layer's arithmetic, given its weights: sizes and constants only, no tensors. The
-    compiled layer is a function of this object and tensors, so it pickles small (whole_step_fn)
+    compiled layer is a function of this object and tensors, so it pickles small (_build_kept)
     and a compiled graph depends on nothing but what its guards check."""
 
     eps: float
@@ -257,13 +257,14 @@ class FastLlama:
         single, run1 = view.kv_index.shape[0] == 1, group.q_index.shape[1] == 1
         kind = ("decode" if run1 else "verify") if single else ("batch-decode" if run1 else "batch-verify")
         spans = [range(len(self.layers))] if self.whole_steps else self._spans
-        kept = self._kept_fn(kind, spans[0], x, cos, sin, step, pool)
+        first = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in spans[0])
+        kept = self._kept_fn(kind, (self.math, x, cos, sin, *step, first))
         if kept is None:
             spans = self._spans
             if self._warming:
                 _mark_dynamic(x, cos, sin, *step)
         for n, span in enumerate(spans):
-            layers = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
+            layers = first if n == 0 and kept is not None else tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
             if kept is not None and (n == 0 or self._uniform or kept.guard_check(self.math, x, cos, sin, *step, layers)):
                 outs = kept(self.math, x, cos, sin, *step, layers)
             else:
@@ -275,10 +276,9 @@ class FastLlama:
         return x
 
     # ------------------------------------------------------------------ functions kept on disk
-    def _kept_fn(self, kind: str, span: range, x, cos, sin, step: tuple, pool):
-        """The kept function for this kind of step, or None (not built, or this step is not what its
-        guards allow: then the step takes the torch.compile'd calls)."""
-        args = (self.math, x, cos, sin, *step, tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span))
+    def _kept_fn(self, kind: str, args: tuple):
+        """The kept function for this kind of step, or None (not built, or this step, args being its
+        first call, is not what its guards allow: then the step takes the torch.compile'd calls)."""
         if kind not in self._kept:
             if not self._warming:
                 return None
