@@ -161,11 +161,10 @@ class FastLlama:
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight
         self.lm_head = linear(["lm_head.weight"], model.lm_head.weight.data)
-        self.eps = cfg.rms_norm_eps
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scaling = self.head_dim**-0.5
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.math = LayerMath(
+            cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, head_dim**-0.5, cfg.intermediate_size
+        )
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.layers = []
@@ -183,8 +182,6 @@ class FastLlama:
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
-        self.q_size = self.heads * self.head_dim
-        self.math = LayerMath(self.eps, self.heads, self.kv_heads, self.head_dim, self.scaling, cfg.intermediate_size)
         # The compiled layer (see compile()): None until compiled.
         self._compiled = None
         # The functions compiled ahead of time, by kind of step (KINDS); None where building one failed
@@ -247,7 +244,7 @@ class FastLlama:
             return False
         batch, s = ctx.groups[0].kv_index.shape
         run = ctx.groups[0].q_index.shape[1]
-        return run <= COMPILED_MAX_RUN and explicit_pays(batch, self.heads, run, s)
+        return run <= COMPILED_MAX_RUN and explicit_pays(batch, self.math.heads, run, s)
 
     def _compiled_layers(self, x, cos, sin, ctx: StepContext, aux_layers, aux: dict) -> torch.Tensor:
         group = ctx.groups[0]
@@ -257,14 +254,14 @@ class FastLlama:
         single, run1 = view.kv_index.shape[0] == 1, group.q_index.shape[1] == 1
         kind = ("decode" if run1 else "verify") if single else ("batch-decode" if run1 else "batch-verify")
         spans = [range(len(self.layers))] if self.whole_steps else self._spans
-        first = tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in spans[0])
+        first = self._layer_args(pool, spans[0])
         kept = self._kept_fn(kind, (self.math, x, cos, sin, *step, first))
         if kept is None:
             spans = self._spans
             if self._warming:
                 _mark_dynamic(x, cos, sin, *step)
         for n, span in enumerate(spans):
-            layers = first if n == 0 and kept is not None else tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
+            layers = first if n == 0 and kept is not None else self._layer_args(pool, span)
             if kept is not None and (n == 0 or self._uniform or kept.guard_check(self.math, x, cos, sin, *step, layers)):
                 outs = kept(self.math, x, cos, sin, *step, layers)
             else:
@@ -274,6 +271,10 @@ class FastLlama:
                     aux[i] = x if i == span.start else outs[i - span.start - 1]
             x = outs[-1]
         return x
+
+    def _layer_args(self, pool, span: range) -> tuple:
+        """What the compiled layer takes for each layer of span: its keys, values and weights."""
+        return tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
 
     # ------------------------------------------------------------------ functions kept on disk
     def _kept_fn(self, kind: str, args: tuple):
@@ -402,8 +403,8 @@ class FastLlama:
             if i in aux_layers:
                 aux[i] = x
             q, k, v = self._rows(partial(self.math.qkv, layer), x, cos, sin)
-            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.scaling)
-            x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.q_size))
+            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.math.scaling)
+            x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
         return self._finish(x, keep, aux_layers, aux)
 
     def _finish(self, x: torch.Tensor, keep: torch.Tensor, aux_layers: tuple[int, ...], aux: dict):

@@ -39,6 +39,15 @@ def compiled(tiny_model_dir):
         return make_engine(tiny_model_dir, compile=True)
 
 
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """The compiled forward's cache in an empty directory: a machine with nothing compiled yet."""
+    from specstream import runner
+
+    monkeypatch.setattr(runner, "cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
 def test_compiled_greedy_tokens_equal_eager_alone_and_batched(tiny_model_dir, compiled):
     assert compiled.runner.fast.compiled_rows > 0
     eager = make_engine(tiny_model_dir, compile=False)
@@ -159,34 +168,30 @@ def test_long_steps_stay_eager(compiled):
         fast._kept = kept
 
 
-def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_disk(
-    tiny_model_dir, monkeypatch, tmp_path, caplog
-):
+def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_disk(tiny_model_dir, fresh_cache, caplog):
     """Each kind of short step runs a function compiled ahead of time (every layer in one call), built at the first start, kept under the cache and loaded by the next start
     with nothing traced; steps of any context and run length take it, with the eager forward's
     tokens."""
-    from specstream import runner as runner_module
-
-    monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)
+    kept_dir = fresh_cache / "compiled"
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want = [make_engine(tiny_model_dir, compile=False).generate(p, greedy)[0].token_ids for p in PROMPTS]
     caplog.set_level("INFO", logger="specstream")
     first = make_engine(tiny_model_dir, compile=True)
     assert "compiled decode steps ahead of time (2 layers per call)" in caplog.text
-    assert sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "compiled").iterdir()) == sorted(fast_llama.KINDS)
+    assert sorted(p.name.rsplit("-", 1)[0] for p in kept_dir.iterdir()) == sorted(fast_llama.KINDS)
     caplog.clear()
     graphs = counters["stats"]["unique_graphs"]
-    stale = tmp_path / "compiled" / "decode-0123456789abcdef0123.bin"  # a file no start loads any more
+    stale = kept_dir / "decode-0123456789abcdef0123.bin"  # a file no start loads any more
     stale.write_bytes(b"old")
     os.utime(stale, (0, 0))
-    kept = {p: p.stat().st_mtime for p in (tmp_path / "compiled").iterdir() if p != stale}
+    kept = {p: p.stat().st_mtime for p in kept_dir.iterdir() if p != stale}
     for p in kept:
         os.utime(p, (0, 0))
     second = make_engine(tiny_model_dir, compile=True)
     assert "ahead of time (" not in caplog.text  # loaded, not compiled
     assert counters["stats"]["unique_graphs"] == graphs  # and nothing traced
     assert all(p.stat().st_mtime > 0 for p in kept)  # loading marks a file as in use
-    fast_llama._prune_kept(tmp_path / "compiled")
+    fast_llama._prune_kept(kept_dir)
     assert not stale.exists() and all(p.exists() for p in kept)
     for engine in (first, second):
         fast = engine.runner.fast
@@ -203,14 +208,11 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
 
 
 def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compiled_calls(
-    tiny_model_dir, monkeypatch, tmp_path, caplog
+    tiny_model_dir, fresh_cache, monkeypatch, caplog
 ):
-    from specstream import runner as runner_module
-
     def refuse(*args, **kwargs):
         raise RuntimeError("aot_compile is not available")
 
-    monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(fast_llama, "_kept_guards", refuse)  # fails inside the ahead-of-time compile
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     fast = engine.runner.fast
@@ -224,11 +226,7 @@ def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compile
     ]
 
 
-def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, monkeypatch, caplog, tmp_path):
-    from specstream import runner as runner_module
-
-    monkeypatch.setattr(runner_module, "cache_dir", lambda: tmp_path)  # a machine with nothing compiled yet
-
+def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, fresh_cache, monkeypatch, caplog):
     def compile_that_fails(fn, **kw):
         def broken(*args):
             raise RuntimeError("no C++ compiler")  # what inductor raises, at the first call, without g++
