@@ -243,16 +243,20 @@ def attend_short(
     q_index: torch.Tensor,
     out_index: torch.Tensor,
     scaling: float,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """attend() for a step of one group of short query runs (decoding, verification) over full-context
     layers, as a function of tensors alone, so torch.compile can fuse it into a layer (fast_llama.py):
-    write the step's keys/values ([T, kv_heads, d]) into the pool's layer tensors, attend the queries
-    ([heads, T, d]) with explicit_attention; returns [heads, T, d]."""
+    write the step's keys/values ([T, kv_heads, d]) into the pool's layer tensors, attend the query rows
+    ([T, heads, d]); returns [n, heads, d]. kernel: with specstream's CPU kernel, read straight from the
+    pool (cpu_kernels.py); else gathered, with explicit_attention."""
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
+    if kernel:
+        return torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, scaling)
     k, v = gather_keys(keys, values, kv_index)
-    out = explicit_attention(gather_queries(query, q_index), k, v, mask, scaling, None, None)
-    return scatter_rows(out, out_index)
+    out = explicit_attention(gather_queries(query.transpose(0, 1), q_index), k, v, mask, scaling, None, None)
+    return scatter_rows(out, out_index).transpose(0, 1)
 
 
 def explicit_attention(

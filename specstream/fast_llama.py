@@ -17,10 +17,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specstream import cpu_kernels
 from specstream.attention import StepContext, attend, attend_short, explicit_pays
 from specstream.quant import Kernel, Linear, project
 
@@ -95,6 +95,8 @@ class LayerMath:
     head_dim: int
     scaling: float
     inter: int
+    # Short steps attend with specstream's CPU kernel (cpu_kernels.py) rather than torch's ops.
+    attention_kernel: bool = False
 
     @property
     def q_size(self) -> int:
@@ -147,8 +149,10 @@ class LayerMath:
         """One decoder layer of a short step, as a function of tensors (what compile() traces)."""
         n = x.shape[0]
         q, k, v = self.qkv(layer, x, cos, sin, project)
-        out = attend_short(keys, values, slot_mapping, q.transpose(0, 1), k, v, kv_index, mask, q_index, out_index, self.scaling)
-        return self.block_out(layer, x, out.transpose(0, 1).reshape(n, self.q_size), project)
+        out = attend_short(
+            keys, values, slot_mapping, q, k, v, kv_index, mask, q_index, out_index, self.scaling, self.attention_kernel
+        )
+        return self.block_out(layer, x, out.reshape(n, self.q_size), project)
 
 
 class FastLlama:
@@ -233,6 +237,8 @@ class FastLlama:
         per_call = max(g for g in range(1, LAYERS_PER_GRAPH + 1) if len(self.layers) % g == 0)
         self._spans = [range(i, i + per_call) for i in range(0, len(self.layers), per_call)]
         self._uniform = len({_signature(k) for k in self._kernels}) == 1
+        if self.embed.device.type == "cpu" and cpu_kernels.fits_head(self.math.head_dim) and cpu_kernels.load():
+            self.math = replace(self.math, attention_kernel=True)
         self._compiled = torch.compile(self.math.short_layers)
 
     def decompile(self) -> None:
@@ -464,8 +470,8 @@ def _kept_key(args: tuple) -> str:
     from specstream import attention, quant
 
     h = hashlib.sha256(torch.__version__.encode())
-    for module in (sys.modules[__name__], attention, quant):
-        h.update(Path(module.__file__).read_bytes())
+    for source in (__file__, attention.__file__, quant.__file__, cpu_kernels.__file__, *cpu_kernels.SOURCES):
+        h.update(Path(source).read_bytes())
     math, x, layers = args[0], args[1], args[-1]
     kernels = [_signature(layer[2]) for layer in layers]
     h.update(repr((math, x.dtype, x.device.type, layers[0][0].dtype, tuple(layers[0][0].shape[1:]), kernels)).encode())

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, fast_llama
+from conftest import build_tiny_model
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, cpu_kernels, fast_llama
 from specstream.runner import ForwardItem
 
 pytestmark = pytest.mark.skipif(
@@ -28,6 +29,13 @@ PROMPTS = [
 def make_engine(model_dir, compile, dtype="float32", method="ngram", **kw):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=6)
     return Engine(EngineConfig(model=str(model_dir), dtype=dtype, compile=compile, speculative=spec, **kw), log=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """This module's tiny model has 32-wide heads (4 heads over 128 features; the session's has 16-wide
+    ones), so its compiled steps attend with specstream's CPU kernel (cpu_kernels.fits_head)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-wide-heads"), seed=0, hidden=128)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 def test_compiled_greedy_tokens_equal_eager_alone_and_batched(tiny_model_dir, compiled):
     assert compiled.runner.fast.compiled_rows > 0
+    assert compiled.runner.fast.math.attention_kernel  # short steps attend with cpu_kernels' short_attention
     eager = make_engine(tiny_model_dir, compile=False)
     assert eager.runner.fast.compiled_rows == 0
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -253,3 +262,15 @@ def test_compile_defaults_and_invariant_mode(tiny_model_dir, monkeypatch):
     # Invariant mode tiles every step: it stays eager.
     engine = make_engine(tiny_model_dir, compile=True, method="off", deterministic=True)
     assert engine.runner.fast._compiled is None
+
+
+def test_without_the_cpu_kernel_the_compiled_steps_attend_with_torch_ops(tiny_model_dir, fresh_cache, monkeypatch):
+    """A machine where specstream's kernels did not build (or a head width they do not take) compiles
+    the torch version of the short steps' attention, with the eager forward's tokens."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    engine = make_engine(tiny_model_dir, compile=True)
+    assert engine.runner.fast.compiled_rows > 0 and not engine.runner.fast.math.attention_kernel
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    eager = make_engine(tiny_model_dir, compile=False)
+    want = [o.token_ids for o in eager.generate(PROMPTS, greedy)]
+    assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want

@@ -1,0 +1,126 @@
+"""specstream's own C++ kernels for CPU steps (csrc/), built on first use and kept in the cache.
+
+`short_attention`: a short step's attention (decode, verification) read straight from the paged KV pool.
+torch has no kernel for it: the torch version (attention.attend_short) gathers the keys into new
+tensors and runs two batched matmuls, whose fixed cost dominates at a few query rows (measured with 2
+threads, one query row over 256 keys: about 60 us per layer against a few for this kernel).
+
+The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
+machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
+the source, torch's version, the flags and the CPU. A build takes about 20 s once per machine; loading a
+built one takes milliseconds. Where building fails (no compiler, say) `load()` says so once in the log
+and returns False, and callers keep the torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specstream.models import cache_dir
+
+log = logging.getLogger("specstream.cpu_kernels")
+
+SOURCES = [Path(__file__).parent / "csrc" / "short_attention.cpp"]
+
+_lib = torch.library.Library("specstream", "DEF")
+_lib.define(
+    "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "
+    "Tensor out_index, float scaling) -> Tensor"
+)
+
+
+@torch.library.register_fake("specstream::short_attention")
+def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_index, scaling):
+    return query.new_empty((out_index.shape[0], query.shape[1], query.shape[2]))
+
+
+_loaded: bool | None = None  # None: not tried yet
+
+
+def fits_head(head_dim: int) -> bool:
+    """Whether short_attention takes this head dimension (a multiple of 32 up to 256)."""
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; whether they are available."""
+    global _loaded
+    if _loaded is None:
+        try:
+            torch.ops.load_library(str(_build()))
+            _loaded = True
+        except Exception as exc:  # noqa: BLE001 - the torch versions of the kernels serve instead
+            log.warning("specstream's CPU kernels are unavailable, torch's ops serve instead: %s: %s", type(exc).__name__, exc)
+            _loaded = False
+    return _loaded
+
+
+def _command(source: list[Path], output: Path) -> list[str]:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch.utils import cpp_extension
+
+    isa = pick_vec_isa()
+    lib = Path(torch.__file__).parent / "lib"
+    return [
+        os.environ.get("CXX", "g++"),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        *(isa.build_arch_flags().split() if isa else []),
+        *(f"-D{macro}" for macro in (isa.build_macro() if isa else [])),
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        *(str(s) for s in source),
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-o",
+        str(output),
+    ]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> Path:
+    """The built library's path, building it first where the cache has none for this key."""
+    probe = _command(SOURCES, Path("OUT"))
+    h = hashlib.sha256(repr((torch.__version__, sys.platform, probe, _cpu_flags())).encode())
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    directory = cache_dir() / "kernels" / h.hexdigest()[:20]
+    target = directory / "specstream_kernels.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run(_command(SOURCES, Path(tmp)), capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built specstream's CPU kernels into %s", directory)
+    return target

@@ -1,0 +1,113 @@
+"""specstream's C++ CPU kernels (cpu_kernels.py): short_attention gives what the torch version of a short
+step's attention gives, for every layout a step can have, and a machine that cannot build the kernels
+keeps the torch version."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from specstream import cpu_kernels
+from specstream.attention import attend_short
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the kernels cannot be built (make setup installs it)")
+
+SLOTS, BLOCK = 4096, 16
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert cpu_kernels.load(), "the kernels should build where g++ is installed"
+
+
+def _step(gen, batch, runs, s_max, heads, kv_heads, d, dtype, masked):
+    """A random short step over a paged pool: each sequence's keys in random blocks of BLOCK slots, its
+    query rows packed in a random order, padding rows and padding keys where a step has them."""
+    keys = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
+    values = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
+    blocks = torch.randperm(SLOTS // BLOCK, generator=gen)[: batch * (s_max // BLOCK + 1)].view(batch, -1)
+    kv_index = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK)).view(batch, -1)[:, :s_max].contiguous()
+    t_max, n = max(runs), sum(runs)
+    rows = torch.randperm(n, generator=gen)
+    q_index = torch.zeros(batch, t_max, dtype=torch.long)
+    out_index, mask, at = [], torch.zeros(batch, 1, t_max, s_max, dtype=torch.bool), 0
+    for b, run in enumerate(runs):
+        context = s_max - int(torch.randint(0, 20, (1,), generator=gen)) if masked else s_max
+        for t in range(t_max):
+            visible = context - run + 1 + t if t < run else 1
+            mask[b, 0, t, :visible] = True
+        q_index[b, :run] = rows[at : at + run]
+        out_index += [b * t_max + t for t in range(run)]
+        at += run
+    out_index = torch.tensor(out_index)[torch.randperm(n, generator=gen)]
+    query = torch.randn(n, heads, d, generator=gen).to(dtype)
+    return keys, values, query, kv_index, mask if masked else None, q_index, out_index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "batch,runs,heads,kv_heads,d",
+    [
+        (1, [1], 9, 3, 64),  # a lone decode step of the bundled model
+        (1, [9], 9, 3, 64),  # its verification of 8 drafts
+        (4, [1, 5, 9, 3], 9, 3, 64),  # a batch of verifications of different lengths
+        (3, [1, 1, 1], 4, 4, 128),  # no grouped heads, a wider head
+        (2, [2, 4], 8, 1, 32),  # one key/value head for all
+        (2, [3, 1], 4, 2, 256),
+    ],
+)
+def test_short_attention_equals_the_torch_version(kernels, dtype, batch, runs, heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(batch * 100 + d)
+    s_max = 70
+    masked = batch > 1 or runs[0] > 1
+    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, batch, runs, s_max, heads, kv_heads, d, dtype, masked)
+    none = torch.empty(0, dtype=torch.long)
+    args = (keys, values, none, query, keys[:0], values[:0], kv_index, mask, q_index, out_index, d**-0.5)
+    want = attend_short(*args, kernel=False)
+    got = attend_short(*args, kernel=True)
+    assert got.shape == want.shape == (len(out_index), heads, d) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(kernels):
+    """The step's own keys/values go into the pool before attending (a query sees its own key), and what
+    masked slots hold never reaches the output, not even NaN."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, 2, [3, 2], 48, 4, 2, 64, torch.float32, True)
+    slots = kv_index[0, 40:43]
+    new_k, new_v = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+    args = (slots, query, new_k, new_v, kv_index, mask, q_index, out_index, 0.125)
+    want = attend_short(keys.clone(), values.clone(), *args, kernel=False)
+    hidden = ~mask[:, 0].any(1)  # key columns no query of its sequence sees
+    keys[kv_index[hidden]] = float("nan")
+    values[kv_index[hidden]] = float("nan")
+    got = attend_short(keys, values, *args, kernel=True)
+    assert torch.equal(keys[slots], new_k) and torch.equal(values[slots], new_v)
+    torch.testing.assert_close(got, want)
+
+
+def test_short_attention_refuses_what_it_cannot_serve(kernels):
+    q = torch.randn(1, 4, 48)
+    kv = torch.randn(16, 2, 48)
+    index = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="head dimension"):
+        torch.ops.specstream.short_attention(q, kv, kv, index, None, index, index[0], 0.1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        q64 = torch.randn(1, 4, 64)
+        kv64 = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+        torch.ops.specstream.short_attention(q64, kv64, kv64, index, None, index, index[0], 0.1)
+    assert cpu_kernels.fits_head(64) and cpu_kernels.fits_head(128) and not cpu_kernels.fits_head(48)
+    assert not cpu_kernels.fits_head(512)
+
+
+def test_a_machine_that_cannot_build_the_kernels_keeps_the_torch_version(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with caplog.at_level(logging.WARNING, logger="specstream.cpu_kernels"):
+        assert cpu_kernels.load() is False
+        assert cpu_kernels.load() is False  # tried once
+    assert sum("unavailable" in r.message for r in caplog.records) == 1
+    assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
