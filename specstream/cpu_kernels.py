@@ -1,9 +1,11 @@
 """specstream's own C++ kernels for CPU steps (csrc/), built on first use and kept in the cache.
 
-`short_attention`: a short step's attention (decode, verification) read straight from the paged KV pool.
-torch has no kernel for it: the torch version (attention.attend_short) gathers the keys into new
-tensors and runs two batched matmuls, whose fixed cost dominates at a few query rows (measured with 2
-threads, one query row over 256 keys: about 60 us per layer against a few for this kernel).
+- `short_attention`: a short step's attention (decode, verification) read straight from the paged KV
+  pool. torch has no kernel for it: the torch version (attention.attend_short) gathers the keys into new
+  tensors and runs two batched matmuls, whose fixed cost dominates at a few query rows (measured with 2
+  threads, one query row over 256 keys: about 60 us per layer against 16-20 for this kernel).
+- `q8_linear`: a projection with 8-bit weights and a scale per block of 32 (GGUF Q8_0, quant.py's
+  Int8Blocks), which torch's kernels take only as two 4-bit planes.
 
 The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
 machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
@@ -28,7 +30,7 @@ from specstream.models import cache_dir
 
 log = logging.getLogger("specstream.cpu_kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / "short_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp")]
 
 _lib = torch.library.Library("specstream", "DEF")
 _lib.define(
@@ -37,9 +39,17 @@ _lib.define(
 )
 
 
+_lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+
+
 @torch.library.register_fake("specstream::short_attention")
 def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_index, scaling):
     return query.new_empty((out_index.shape[0], query.shape[1], query.shape[2]))
+
+
+@torch.library.register_fake("specstream::q8_linear")
+def _q8_linear_shape(x, codes, scales):
+    return x.new_empty((x.shape[0], codes.shape[0]))
 
 
 _loaded: bool | None = None  # None: not tried yet

@@ -201,7 +201,7 @@ class Engine:
             return ModelRunner(self.model, self.pool, tile=tile), "dense"
         runner = ModelRunner(self.model, self.pool, linear=factory, tile=tile)
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
-        routes = self._cache_file(source, "routes", [mode, self.config.max_num_batched_tokens])
+        routes = self._cache_file(source, "routes", [mode, self.config.max_num_batched_tokens, factory.kernel_kinds])
         choices = quant.settle(
             factory, self.model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes
         )

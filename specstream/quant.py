@@ -19,6 +19,10 @@ holds float16 d and m with ``w = d * c + m`` (Q4_0: ``w = d * (c - 8)``), so ``s
 per block; tests/test_quant.py proves it on the bundled file). In bfloat16, the only dtype with a
 vectorized CPU int4 kernel, scale and zero are rounded to bf16's 8-bit significand: the 4-bit codes stay
 the file's, the block scales lose 3 bits.
+
+8-bit blocks (GGUF Q8_0: int8 codes, a scale per 32) are read by specstream's own CPU kernel where it
+builds (cpu_kernels.q8_linear: the file's weights exactly, one read of its bytes); elsewhere (CUDA, no
+compiler) by torch's int4 kernel as two 4-bit planes (Int8Blocks.planes).
 """
 
 from __future__ import annotations
@@ -178,11 +182,13 @@ Kernel = tuple
 
 def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T with W held as kernel says: "dense" (weight), "int4" (torch's packed int4 layout and
-    the scale/zero pairs), "int4x2" (two such planes, summed: 8-bit blocks), "int8" (codes and
-    per-channel scales)."""
+    the scale/zero pairs), "int4x2" (two such planes, summed: 8-bit blocks), "q8" (8-bit blocks: codes
+    and a float32 scale per 32, specstream's kernel), "int8" (codes and per-channel scales)."""
     kind, a, b, *planes = kernel
     if kind == "dense":
         return F.linear(x, a)
+    if kind == "q8":
+        return torch.ops.specstream.q8_linear(x, a, b)
     if kind == "int8":
         return torch.ops.aten._weight_int8pack_mm(x, a, b)
     y = _int4_mm(x, a, b)
@@ -240,6 +246,22 @@ def _effective_int4(weights: Int4Weights | list[Int4Weights], dtype: torch.dtype
     return codes * scales.repeat_interleave(GROUP, 1) + zeros.repeat_interleave(GROUP, 1)
 
 
+class PackedInt8Blocks:
+    """8-bit block weights (Int8Blocks) as stored, for specstream's CPU kernel (cpu_kernels.q8_linear)."""
+
+    bits = 8
+
+    def __init__(self, weights: Int8Blocks, device: torch.device) -> None:
+        self.codes = weights.codes.to(torch.int8).contiguous().to(device)
+        self.scales = weights.scales.float().contiguous().to(device)
+        self.shape = tuple(self.codes.shape)
+        self.kernel: Kernel = ("q8", self.codes, self.scales)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
 class PackedInt8:
     """Per-output-channel symmetric int8 weights for torch's int8 weight-only kernel."""
 
@@ -262,7 +284,10 @@ class Linear:
     """One projection: the packed kernel for calls of at most max_packed_rows rows, the dense copy above."""
 
     def __init__(
-        self, names: list[str], dense: torch.Tensor | None, packed: PackedInt4 | PackedInt8 | None = None
+        self,
+        names: list[str],
+        dense: torch.Tensor | None,
+        packed: PackedInt4 | PackedInt8 | PackedInt8Blocks | None = None,
     ) -> None:
         self.names = names  # the model parameters this projection serves, fused along N in this order
         self.dense = dense
@@ -321,9 +346,13 @@ class LinearFactory:
         return linear
 
     def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
-        int4 = _source_planes([self.source_int4.get(n) for n in names])
+        source = [self.source_int4.get(n) for n in names]
+        int4 = _source_planes(source)
         groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
-        if self.mode == "int4" and groupable or self.mode == "auto" and int4 is not None:
+        if self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._q8_kernel():
+            packed = PackedInt8Blocks(source[0], self.device)
+            effective = source[0].dequantize()
+        elif self.mode == "int4" and groupable or self.mode == "auto" and int4 is not None:
             int4 = int4 or Int4Weights.quantize(weight)
             packed = PackedInt4(int4, self.dtype, self.device)
             effective = _effective_int4(int4, self.dtype)
@@ -336,6 +365,12 @@ class LinearFactory:
             weight = torch.empty_like(weight)
         weight.copy_(effective)
         return Linear(names, weight, packed)
+
+    def _q8_kernel(self) -> bool:
+        """Whether specstream's 8-bit block kernel serves here (CPU, and it built)."""
+        from specstream import cpu_kernels
+
+        return self.device.type == "cpu" and cpu_kernels.load()
 
     def release_unused(self, model: torch.nn.Module) -> None:
         """Free the model's dense parameters behind projections that no longer keep a dense copy."""
@@ -350,6 +385,11 @@ class LinearFactory:
     @property
     def quantized(self) -> list[Linear]:
         return [lin for lin in self.built if lin.packed is not None]
+
+    @property
+    def kernel_kinds(self) -> list[str]:
+        """The packed kernels serving (quant.project's kinds): start-up timings depend on them."""
+        return sorted({lin.packed.kernel[0] for lin in self.quantized})
 
 
 def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:

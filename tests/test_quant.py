@@ -4,7 +4,7 @@ what the layout says, and speculative output still equals plain output with quan
 import pytest
 import torch
 
-from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, quant
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, cpu_kernels, quant
 from specstream.quant import Int4Weights, Int8Blocks, Linear, LinearFactory, PackedInt4, PackedInt8
 
 PROMPTS = [
@@ -48,6 +48,48 @@ def test_8bit_blocks_as_two_int4_planes_are_exact_in_float32():
     assert torch.equal(quant._effective_int4(blocks.planes(), torch.float32), blocks.dequantize())
     x = torch.randn(5, 128)
     torch.testing.assert_close(packed(x), x @ blocks.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes[0, :4] = torch.tensor([-128, 127, -1, 0], dtype=torch.int8)
+    return Int8Blocks(codes, (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half().float())
+
+
+@pytest.mark.parametrize("k", [128, 96, 576])  # 96: a tail of half a vector group; 576: the bundled model's
+def test_8bit_block_kernel_multiplies_by_the_files_weights(k):
+    """specstream's q8_linear kernel (cpu_kernels.py) weighs by exactly d * c (identity rows read them back)
+    and sums in float32, at every row count a step has (sums over 4 rows at a time, and what is left)."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    blocks = random_int8_blocks(80, k)
+    packed = quant.PackedInt8Blocks(blocks, torch.device("cpu"))
+    assert packed.kernel[0] == "q8" and packed.nbytes == 80 * k + 80 * (k // 32) * 4
+    assert torch.equal(packed(torch.eye(k)).t(), blocks.dequantize())
+    for rows in (1, 2, 3, 4, 5, 9, 16):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(packed(x), x @ blocks.dequantize().t(), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        want = (xb.float() @ blocks.dequantize().t()).bfloat16()
+        torch.testing.assert_close(packed(xb), want, rtol=1e-2, atol=1e-2)
+    assert packed(torch.randn(0, k)).shape == (0, 80)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.specstream.q8_linear(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_8bit_source_blocks_take_the_q8_kernel_where_it_builds_else_two_int4_planes(monkeypatch, built):
+    monkeypatch.setattr(cpu_kernels, "_loaded", built)
+    if built and not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    blocks = random_int8_blocks(64, 128)
+    factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"lm_head.weight": blocks})
+    lin = factory(["lm_head.weight"], torch.zeros(64, 128))
+    assert lin.packed.kernel[0] == ("q8" if built else "int4x2") and factory.kernel_kinds == [lin.packed.kernel[0]]
+    assert torch.equal(lin.dense, blocks.dequantize())  # both routes serve the file's weights
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(lin.packed(x), torch.nn.functional.linear(x, lin.dense), rtol=1e-5, atol=1e-5)
 
 
 def test_int4_kernel_in_bfloat16_reads_bfloat16_scales():
