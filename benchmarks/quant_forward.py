@@ -6,8 +6,8 @@ at the step shapes that matter: a decode step (1 row), a verification (9 rows), 
     python benchmarks/quant_forward.py --modes none auto --repeats 20
     python benchmarks/quant_forward.py --modes auto auto+compile int4 int4+compile   # the compiled forward
     python benchmarks/quant_forward.py --modes auto+compile+layers auto+compile   # a call per layer vs per step
-    python benchmarks/quant_forward.py --modes auto+compile+torchattn auto+compile   # torch's attention ops vs
-                                                                                     # specstream's CPU kernel
+    python benchmarks/quant_forward.py --modes auto+compile+torchops auto+compile   # torch's kernels vs
+                                                                                   # specstream's CPU kernels
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"],
                     help="quantization modes, each eager or as MODE+compile (the compiled forward: one call per "
                          "step) or MODE+compile+layers (compiled, one call per layer: fast_llama.WHOLE_STEPS off); "
-                         "+torchattn: short steps attend with torch's ops, not specstream's CPU kernel")
+                         "+torchops: torch's kernels only (int4 weights, attention), not specstream's CPU kernels")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
@@ -41,7 +41,7 @@ def main() -> None:
         config = EngineConfig(dtype=args.dtype, quantization=quantization, compile="compile" in options,
                               speculative=SpeculativeConfig(method="off"))
         fast_llama.WHOLE_STEPS = "layers" not in options
-        kernels, cpu_kernels._loaded = cpu_kernels._loaded, False if "torchattn" in options else cpu_kernels._loaded
+        kernels, cpu_kernels._loaded = cpu_kernels._loaded, False if "torchops" in options else cpu_kernels._loaded
         engines[mode] = Engine(config)
         cpu_kernels._loaded = kernels
     fast_llama.WHOLE_STEPS = True

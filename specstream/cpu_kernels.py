@@ -30,7 +30,7 @@ from specstream.models import cache_dir
 
 log = logging.getLogger("specstream.cpu_kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp")]
 
 _lib = torch.library.Library("specstream", "DEF")
 _lib.define(
@@ -40,6 +40,7 @@ _lib.define(
 
 
 _lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -50,6 +51,11 @@ def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_ind
 @torch.library.register_fake("specstream::q8_linear")
 def _q8_linear_shape(x, codes, scales):
     return x.new_empty((x.shape[0], codes.shape[0]))
+
+
+@torch.library.register_fake("specstream::q4_linear")
+def _q4_linear_shape(x, codes, scales, mins):
+    return x.new_empty((x.shape[0], codes.shape[0] * codes.shape[2]))  # codes: [N / 16, K / 2, 16]
 
 
 _loaded: bool | None = None  # None: not tried yet
@@ -87,6 +93,7 @@ def _command(source: list[Path], output: Path) -> list[str]:
         "-fPIC",
         "-fopenmp",
         *(isa.build_arch_flags().split() if isa else []),
+        *(["-mf16c"] if isa else []),  # float16 scales in hardware: every CPU with AVX2 or AVX-512 has F16C
         *(f"-D{macro}" for macro in (isa.build_macro() if isa else [])),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),

@@ -129,15 +129,19 @@ def _aux_step(runner):
         runner.pool.free(table)
 
 
-def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, monkeypatch):
-    """bf16 with int4 weights: the graph holds torch's packed int4 kernel, and its logits match the
-    eager forward's within bf16 rounding (fusion keeps float32 between ops where eager rounds)."""
+@pytest.mark.parametrize("kernel", ["q4", "int4"])
+def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, fresh_cache, monkeypatch, kernel):
+    """bf16 with int4 weights: the graph holds the packed int4 kernel (specstream's q4_linear, or torch's
+    where specstream's kernels did not build), and its logits match the eager forward's within bf16
+    rounding (fusion keeps float32 between ops where eager rounds)."""
     from specstream import quant
 
+    if kernel == "int4":
+        monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setattr(quant, "_faster_packed", lambda *args: True)  # route every size to the packed kernel
     engine = make_engine(tiny_model_dir, compile=True, dtype="bfloat16", quantization="int4", method="off")
     fast = engine.runner.fast
-    assert fast.compiled_rows > 0 and {k[0] for layer in fast._kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {"int4"}
+    assert fast.compiled_rows > 0 and {k[0] for layer in fast._kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {kernel}
     out = _step(engine.runner, [(20, 3)])
     fast_compiled = fast._compiled
     fast._compiled = None  # the same weights, eager

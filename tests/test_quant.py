@@ -50,6 +50,42 @@ def test_8bit_blocks_as_two_int4_planes_are_exact_in_float32():
     torch.testing.assert_close(packed(x), x @ blocks.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(64, 128), (48, 96), (32, 1536)])
+def test_4bit_block_kernel_multiplies_by_the_files_weights(n, k):
+    """specstream's q4_linear kernel (cpu_kernels.py) weighs by exactly d * c + m (identity rows read the
+    weights back) and sums in float32, at every row count a step has (its row groups of 1 to 12, and more)."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    weights = random_int4(n, k)
+    assert quant.PackedQ4.fits(weights)
+    packed = quant.PackedQ4(weights, torch.device("cpu"))
+    assert packed.kernel[0] == "q4" and packed.nbytes == n * k // 2 + 2 * 2 * n * (k // 32)
+    assert torch.equal(packed(torch.eye(k)).t(), weights.dequantize())
+    for rows in (1, 2, 3, 4, 5, 7, 9, 12, 13, 30):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        torch.testing.assert_close(packed(xb), (xb.float() @ weights.dequantize().t()).bfloat16(), rtol=1e-2, atol=1e-2)
+    assert packed(torch.randn(0, k)).shape == (0, n)
+
+
+def test_4bit_blocks_the_kernel_cannot_hold_take_torchs_int4_kernel(monkeypatch):
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    wide = random_int4(64, 64)
+    wide.scales[0, 0] = 1e-3 + 1e-9  # not a float16
+    assert not quant.PackedQ4.fits(wide)
+    for weights in (wide, random_int4(64, 64)):
+        factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})
+        lin = factory(["w"], torch.zeros(weights.codes.shape))
+        assert lin.packed.kernel[0] == ("q4" if quant.PackedQ4.fits(weights) else "int4")
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(lin.packed(x), x @ lin.dense.t(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": random_int4(64, 64)})
+    assert factory(["w"], torch.zeros(64, 64)).packed.kernel[0] == "int4"
+
+
 def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)

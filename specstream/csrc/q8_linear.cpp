@@ -9,13 +9,29 @@
 // layer, so its speed at a few rows (decode, verification) counts.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <vector>
+
 namespace {
+
+// x [M, K] as float32, row by row (a vector rather than a tensor: no dispatch for so small a copy).
+std::vector<float> as_float(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> out(m * k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "as_float", [&] {
+    for (int64_t r = 0; r < m; ++r) {
+      const scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
+      for (int64_t j = 0; j < k; ++j) out[r * k + j] = static_cast<float>(row[j * x.stride(1)]);
+    }
+  });
+  return out;
+}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 32;
@@ -96,16 +112,16 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               codes.sizes(), ", ", scales.sizes());
   auto c = codes.contiguous();
   auto s = scales.contiguous();
-  auto x32 = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
+  const std::vector<float> widened = as_float(x);
   switch (x.scalar_type()) {
-    case at::kFloat: run<float>(x32.data_ptr<float>(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<float>(), m, n, k); break;
+    case at::kFloat: run<float>(widened.data(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<float>(), m, n, k); break;
     case at::kBFloat16:
-      run<c10::BFloat16>(x32.data_ptr<float>(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), m, n, k);
+      run<c10::BFloat16>(widened.data(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), m, n, k);
       break;
     case at::kHalf:
-      run<c10::Half>(x32.data_ptr<float>(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<c10::Half>(), m, n, k);
+      run<c10::Half>(widened.data(), c.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<c10::Half>(), m, n, k);
       break;
     default: TORCH_CHECK(false, "q8_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
   }

@@ -1,0 +1,203 @@
+// y = x @ W^T for 4-bit block weights (GGUF Q4_0/Q4_1, quant.py Int4Weights): W[n, k] = d * c + m, a 4-bit
+// code c and float16 d and m per block of 32 inputs, on CPU.
+//
+// torch's int4 kernel (_weight_int4pack_mm_for_cpu) serves one row well, but its cost grows almost in step
+// with the rows (at 9 rows, a verification of 8 drafts, 5x one row's), so a verification cost several
+// decode steps. Here each vector of 16 weights (16 outputs at one input) is widened to float32 once and
+// multiplied into up to 12 rows of x, whose sums for those 16 outputs stay in registers. d * c + m is
+// computed in float32 from the file's float16 d and m, as GGUF's own dequantization does, so the weights
+// multiplied are the file's; sums are float32, rounded once to the output dtype.
+//
+// Layout (quant.PackedQ4), tiles of 16 outputs:
+//   codes  [N / 16, K / 2, 16] uint8: byte [t, j, i] holds c[16 t + i, 2 j] (low nibble) and c[16 t + i, 2 j + 1]
+//   scales [N / 16, K / 32, 16] float16: d of output 16 t + i in block g; mins the same for m.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+// x [M, K] as float32, row by row (a vector rather than a tensor: no dispatch for so small a copy).
+std::vector<float> as_float(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> out(m * k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "as_float", [&] {
+    for (int64_t r = 0; r < m; ++r) {
+      const scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
+      for (int64_t j = 0; j < k; ++j) out[r * k + j] = static_cast<float>(row[j * x.stride(1)]);
+    }
+  });
+  return out;
+}
+
+constexpr int64_t kTile = 16;  // outputs per tile
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRows = 12;  // rows of x per pass over a tile
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+// ROWS rows of x (float32, row stride k) against one tile. Within a block the codes themselves multiply x
+// (CHAINS independent sums per row, 1, 2 or 4, so that few rows do not wait on the adder), and the block's d and m
+// apply once: sum_j (d c_j + m) x_j = d sum_j c_j x_j + m sum_j x_j, with xsum [rows, K / 32] the second sums.
+template <int64_t ROWS, int64_t CHAINS>
+inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_t* codes, const c10::Half* scales,
+                      const c10::Half* mins, __m512* out) {
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low_mask = _mm512_set1_epi32(0x0F);
+  const int64_t blocks = k / kBlock;
+  for (int64_t g = 0; g < blocks; ++g) {
+    __m512 part[ROWS][CHAINS];
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t c = 0; c < CHAINS; ++c) part[r][c] = _mm512_setzero_ps();
+    const uint8_t* cg = codes + g * (kBlock / 2) * kTile;
+    const float* xg = x + g * kBlock;
+    // Two input pairs per step; with 4 chains the second pair feeds chains 2 and 3 (indexes known at
+    // compile time, so the sums stay in registers).
+    constexpr int64_t a0 = 0, a1 = CHAINS > 1 ? 1 : 0, b0 = CHAINS > 2 ? 2 : a0, b1 = CHAINS > 2 ? 3 : a1;
+    for (int64_t j = 0; j < kBlock / 2; j += 2) {
+      const __m512i bytes0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + j * kTile)));
+      const __m512i bytes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + (j + 1) * kTile)));
+      const __m512 c00 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes0, low_mask));
+      const __m512 c01 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes0, 4));
+      const __m512 c10 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes1, low_mask));
+      const __m512 c11 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes1, 4));
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const float* xr = xg + r * k + 2 * j;
+        part[r][a0] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c00, part[r][a0]);
+        part[r][a1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c01, part[r][a1]);
+        part[r][b0] = _mm512_fmadd_ps(_mm512_set1_ps(xr[2]), c10, part[r][b0]);
+        part[r][b1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[3]), c11, part[r][b1]);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      __m512 sum = part[r][0];
+      for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
+      acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
+}
+
+template <typename T>
+inline void store_row(T* y, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(y, v);
+  } else {
+    alignas(64) float tmp[kTile];
+    _mm512_store_ps(tmp, v);
+    for (int64_t i = 0; i < kTile; ++i) y[i] = static_cast<T>(tmp[i]);
+  }
+}
+
+template <typename T>
+void run(const float* x, const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, T* y, int64_t m_rows,
+         int64_t n_rows, int64_t k) {
+  const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
+  std::vector<float> xsums(m_rows * blocks);
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t g = 0; g < blocks; ++g) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) sum += x[r * k + g * kBlock + j];
+      xsums[r * blocks + g] = sum;
+    }
+  const float* xsum = xsums.data();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    __m512 out[kRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* c = codes + t * (k / 2) * kTile;
+      const c10::Half* d = scales + t * blocks * kTile;
+      const c10::Half* m = mins + t * blocks * kTile;
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) {
+        const int64_t rows = std::min(kRows, m_rows - m0);
+        const float* xm = x + m0 * k;
+        switch (rows) {
+          case 1: tile_rows<1, 4>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 2: tile_rows<2, 4>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 3: tile_rows<3, 4>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 4: tile_rows<4, 4>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 5: tile_rows<5, 2>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 6: tile_rows<6, 2>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 7: tile_rows<7, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 8: tile_rows<8, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 9: tile_rows<9, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 10: tile_rows<10, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 11: tile_rows<11, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+          default: tile_rows<12, 1>(xm, xsum + m0 * blocks, k, c, d, m, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) store_row(y + (m0 + r) * n_rows + t * kTile, out[r]);
+      }
+    }
+  });
+}
+
+#else
+
+// Without AVX-512: the same arithmetic, one weight at a time.
+template <typename T>
+void run(const float* x, const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, T* y, int64_t m_rows,
+         int64_t n_rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, n_rows, kTile, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t t = n / kTile, i = n % kTile;
+      for (int64_t r = 0; r < m_rows; ++r) {
+        float sum = 0.f;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t g = kk / kBlock;
+          const uint8_t byte = codes[(t * (k / 2) + kk / 2) * kTile + i];
+          const float code = static_cast<float>(kk % 2 ? byte >> 4 : byte & 0x0F);
+          const float w = std::fma(code, static_cast<float>(scales[(t * blocks + g) * kTile + i]),
+                                   static_cast<float>(mins[(t * blocks + g) * kTile + i]));
+          sum += x[r * k + kk] * w;
+        }
+        y[r * n_rows + n] = static_cast<T>(sum);
+      }
+    }
+  });
+}
+
+#endif
+
+// x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 16] uint8, scales and mins [N / 16, K / 32, 16] fp16;
+// returns [M, N] in x's dtype.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3 && mins.dim() == 3, "q4_linear: 2-d x, 3-d weights");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
+              "q4_linear: uint8 codes, float16 scales and mins");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0) * kTile;
+  TORCH_CHECK(k % kBlock == 0 && codes.size(1) == k / 2 && codes.size(2) == kTile && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == k / kBlock && scales.size(2) == kTile && mins.sizes() == scales.sizes(),
+              "q4_linear: x [M, K], codes [N / 16, K / 2, 16], scales and mins [N / 16, K / 32, 16] with K a multiple "
+              "of 32; got ", x.sizes(), ", ", codes.sizes(), ", ", scales.sizes(), ", ", mins.sizes());
+  auto c = codes.contiguous();
+  auto s = scales.contiguous();
+  auto mn = mins.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const std::vector<float> widened = as_float(x);
+  const auto* cp = c.data_ptr<uint8_t>();
+  const auto* sp = s.data_ptr<c10::Half>();
+  const auto* mp = mn.data_ptr<c10::Half>();
+  switch (x.scalar_type()) {
+    case at::kFloat: run<float>(widened.data(), cp, sp, mp, y.data_ptr<float>(), m, n, k); break;
+    case at::kBFloat16: run<c10::BFloat16>(widened.data(), cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
+    case at::kHalf: run<c10::Half>(widened.data(), cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k); break;
+    default: TORCH_CHECK(false, "q4_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specstream, CPU, m) { m.impl("q4_linear", &q4_linear); }
