@@ -666,7 +666,7 @@ def describe(factory: LinearFactory, choices: list[KernelChoice]) -> str:
     size = sum(lin.nbytes() for lin in factory.built) / 2**20
     return (
         f"{factory.mode}: {packed} of {len(factory.built)} projections int{'/'.join(map(str, sorted(bits)))} "
-        f"({routes}); projections hold {size:.0f} MiB"
+        f"(kernels {', '.join(factory.kernel_kinds)}; {routes}); projections hold {size:.0f} MiB"
     )
 
 

@@ -128,7 +128,9 @@ class ModelRunner:
             time.perf_counter() - start,
             ", ".join(kept) or "none",
         )
-        return f"compiled (steps of <= {rows} rows" + ("; one call per step)" if self.fast.whole_steps else ")")
+        parts = [f"steps of <= {rows} rows"] + ["one call per step"] * self.fast.whole_steps
+        parts += ["specstream's attention kernel"] * self.fast.math.attention_kernel
+        return f"compiled ({'; '.join(parts)})"
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):
