@@ -271,7 +271,10 @@ class FastLlama:
             if kept is not None and (n == 0 or self._uniform or kept.guard_check(self.math, x, cos, sin, *step, layers)):
                 outs = kept(self.math, x, cos, sin, *step, layers)
             else:
-                outs = self._compiled(x, cos, sin, *step, layers)
+                # The stance holds for the torch.compile'd calls alone: around a kept function's call it
+                # would put every frame its prologue runs through dynamo's cache lookup.
+                with torch.compiler.set_stance("default" if self._warming else self.unseen_shape_stance):
+                    outs = self._compiled(x, cos, sin, *step, layers)
             for i in span:
                 if i in aux_layers:
                     aux[i] = x if i == span.start else outs[i - span.start - 1]
@@ -404,9 +407,7 @@ class FastLlama:
         t = input_ids.shape[0]
         aux = {}
         if self._takes_compiled(ctx, t):
-            stance = "default" if self._warming else self.unseen_shape_stance
-            with torch.compiler.set_stance(stance):
-                x = self._compiled_layers(x, cos, sin, ctx, aux_layers, aux)
+            x = self._compiled_layers(x, cos, sin, ctx, aux_layers, aux)
             return self._finish(x, keep, aux_layers, aux)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:

@@ -1,0 +1,106 @@
+"""specstream's CPU kernels (specstream/cpu_kernels.py) against the torch ops they replace, at the shapes of
+the bundled model (SmolLM2-135M: 576 wide, 9 query heads over 3 key/value heads of 64), bf16, the threads
+torch uses (2 here), best of N interleaved runs, weights and keys random but laid out as served.
+
+- q4_linear vs torch's int4 kernel (_weight_int4pack_mm_for_cpu) on 4-bit block weights, per layer shape;
+- q8_linear vs torch's int4 kernel on two 4-bit planes (how 8-bit blocks were served), the LM head's shape;
+- short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
+  with torch.compile as in the forward, over a paged pool.
+
+    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py --repeats 50 --rows 1 9 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import torch
+
+from specstream import cpu_kernels
+from specstream.attention import attend_short
+from specstream.quant import Int4Weights, Int8Blocks, PackedInt4, PackedInt8Blocks, PackedQ4
+
+
+def best_of(fns: list, repeats: int) -> list[float]:
+    """Microseconds per call of each fn, the fastest of `repeats` interleaved runs."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e6 for b in best]
+
+
+def random_int4(n: int, k: int, gen: torch.Generator) -> Int4Weights:
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = (-8 * scales + torch.randn(n, k // 32, generator=gen) * 1e-3).half().float()
+    return Int4Weights(codes, scales, mins)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 9, 16])
+    args = ap.parse_args()
+    if not cpu_kernels.load():
+        raise SystemExit("specstream's CPU kernels did not build (is g++ installed?)")
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    print(f"threads: {torch.get_num_threads()}, bf16, best of {args.repeats}; us per call (torch / specstream)\n")
+    print("| kernel | weight | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
+    print("|---|---|" + "---|" * len(args.rows))
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+        weights = random_int4(n, k, gen)
+        theirs, ours = PackedInt4(weights, torch.bfloat16, cpu), PackedQ4(weights, cpu)
+        cells = []
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            t, o = best_of([partial(theirs, x), partial(ours, x)], args.repeats)
+            cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
+        print(f"| q4_linear | {n}x{k} | " + " | ".join(cells) + " |")
+    n, k = 49152, 576
+    blocks = Int8Blocks(
+        torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
+        (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half().float(),
+    )
+    theirs, ours = PackedInt4(blocks.planes(), torch.bfloat16, cpu), PackedInt8Blocks(blocks, cpu)
+    cells = []
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        t, o = best_of([partial(theirs, x), partial(ours, x)], max(3, args.repeats // 5))
+        cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
+    print(f"| q8_linear (two int4 planes) | {n}x{k} | " + " | ".join(cells) + " |")
+
+    print("\n| short_attention, 9 heads over 3 of 64 | " + " | ".join(["context 256", "context 1024"]) + " |")
+    print("|---|---|---|")
+    slots, block = 23000, 16
+    keys = torch.randn(slots, 3, 64, generator=gen).bfloat16()
+    values = torch.randn(slots, 3, 64, generator=gen).bfloat16()
+    torch_version = torch.compile(attend_short, dynamic=True)
+    for label, batch, run in [("decode, 1 sequence", 1, 1), ("verify 9 rows, 1 sequence", 1, 9), ("decode, 8 sequences", 8, 1)]:
+        cells = []
+        for context in (256, 1024):
+            table = torch.randperm(slots // block, generator=gen)[: batch * context // block].view(batch, -1)
+            kv_index = (table[:, :, None] * block + torch.arange(block)).view(batch, -1)
+            n_rows = batch * run
+            q_index = torch.arange(n_rows).view(batch, run)
+            out_index = torch.arange(n_rows)
+            positions = torch.arange(context)[None, :] <= (context - run + torch.arange(run))[:, None]
+            mask = None if batch == 1 and run == 1 else positions[None, None].expand(batch, 1, run, context).contiguous()
+            query = torch.randn(n_rows, 9, 64, generator=gen).bfloat16()
+            none = torch.empty(0, dtype=torch.long)
+            step = (keys, values, none, query, keys[:0], values[:0], kv_index, mask, q_index, out_index, 0.125)
+            t, o = best_of([partial(torch_version, *step), partial(attend_short, *step, kernel=True)], args.repeats)
+            cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
