@@ -31,6 +31,7 @@ from specstream.models import cache_dir
 log = logging.getLogger("specstream.cpu_kernels")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 
 _lib = torch.library.Library("specstream", "DEF")
 _lib.define(
@@ -121,7 +122,7 @@ def _build() -> Path:
     """The built library's path, building it first where the cache has none for this key."""
     probe = _command(SOURCES, Path("OUT"))
     h = hashlib.sha256(repr((torch.__version__, sys.platform, probe, _cpu_flags())).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     directory = cache_dir() / "kernels" / h.hexdigest()[:20]
     target = directory / "specstream_kernels.so"

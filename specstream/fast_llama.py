@@ -484,7 +484,8 @@ def _kept_key(args: tuple) -> str:
     from specstream import attention, quant
 
     h = hashlib.sha256(torch.__version__.encode())
-    for source in (__file__, attention.__file__, quant.__file__, cpu_kernels.__file__, *cpu_kernels.SOURCES):
+    sources = (__file__, attention.__file__, quant.__file__, cpu_kernels.__file__, *cpu_kernels.SOURCES, *cpu_kernels.HEADERS)
+    for source in sources:
         h.update(Path(source).read_bytes())
     math, x, layers = args[0], args[1], args[-1]
     kernels = [_signature(layer[2]) for layer in layers]

@@ -18,24 +18,16 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <immintrin.h>
 
 #include <vector>
 
 namespace {
 
-// x [M, K] as float32, row by row (a vector rather than a tensor: no dispatch for so small a copy).
-std::vector<float> as_float(const at::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1);
-  std::vector<float> out(m * k);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "as_float", [&] {
-    for (int64_t r = 0; r < m; ++r) {
-      const scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-      for (int64_t j = 0; j < k; ++j) out[r * k + j] = static_cast<float>(row[j * x.stride(1)]);
-    }
-  });
-  return out;
-}
+using specstream_kernels::as_float;
+using specstream_kernels::Vec;
 
 constexpr int64_t kTile = 16;  // outputs per tile
 constexpr int64_t kBlock = 32;

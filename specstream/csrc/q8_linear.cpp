@@ -14,26 +14,18 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <immintrin.h>
 
 #include <vector>
 
 namespace {
 
-// x [M, K] as float32, row by row (a vector rather than a tensor: no dispatch for so small a copy).
-std::vector<float> as_float(const at::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1);
-  std::vector<float> out(m * k);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "as_float", [&] {
-    for (int64_t r = 0; r < m; ++r) {
-      const scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-      for (int64_t j = 0; j < k; ++j) out[r * k + j] = static_cast<float>(row[j * x.stride(1)]);
-    }
-  });
-  return out;
-}
+using specstream_kernels::as_float;
+using specstream_kernels::sum_lanes;
+using specstream_kernels::Vec;
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 4;  // rows of x per pass over a weight row: their sums stay in registers
 
@@ -46,14 +38,6 @@ inline Vec load_int8(const int8_t* p) {
   float tmp[Vec::size()];
   for (int64_t i = 0; i < Vec::size(); ++i) tmp[i] = p[i];
   return Vec::loadu(tmp);
-#endif
-}
-
-inline float sum_lanes(const Vec& x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return x.reduce_add();
-#else
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 #endif
 }
 

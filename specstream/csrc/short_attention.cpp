@@ -16,6 +16,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -24,7 +26,9 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using specstream_kernels::sum_lanes;
+using specstream_kernels::Vec;
+
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxVecs = kMaxDim / Vec::size();
 
@@ -41,14 +45,6 @@ inline void widen(const T* src, Vec* out, int64_t vecs) {
       out[c + 1] = hi;
     }
   }
-}
-
-inline float sum_lanes(const Vec& x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return x.reduce_add();
-#else
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
-#endif
 }
 
 // One query row and one head, with the head dimension fixed at compile time (VECS vectors) so the query,
