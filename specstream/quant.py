@@ -381,9 +381,10 @@ class LinearFactory:
 
     def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
         source = [self.source_int4.get(n) for n in names]
-        int4 = _source_planes(source)
+        q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
+        int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)
         groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
-        if self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels():
+        if q8:
             packed = PackedInt8Blocks(source[0], self.device)
             effective = source[0].dequantize()
         elif self.mode == "int4" and groupable or self.mode == "auto" and int4 is not None:
