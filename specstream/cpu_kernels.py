@@ -38,8 +38,6 @@ _lib.define(
     "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "
     "Tensor out_index, float scaling) -> Tensor"
 )
-
-
 _lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
 
@@ -80,7 +78,8 @@ def load() -> bool:
     return _loaded
 
 
-def _command(source: list[Path], output: Path) -> list[str]:
+def _command(source: list[Path]) -> list[str]:
+    """The compiler's command line, less its output file."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch.utils import cpp_extension
 
@@ -103,8 +102,6 @@ def _command(source: list[Path], output: Path) -> list[str]:
         f"-Wl,-rpath,{lib}",
         "-lc10",
         "-ltorch_cpu",
-        "-o",
-        str(output),
     ]
 
 
@@ -120,8 +117,8 @@ def _cpu_flags() -> str:
 
 def _build() -> Path:
     """The built library's path, building it first where the cache has none for this key."""
-    probe = _command(SOURCES, Path("OUT"))
-    h = hashlib.sha256(repr((torch.__version__, sys.platform, probe, _cpu_flags())).encode())
+    command = _command(SOURCES)
+    h = hashlib.sha256(repr((torch.__version__, sys.platform, command, _cpu_flags())).encode())
     for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     directory = cache_dir() / "kernels" / h.hexdigest()[:20]
@@ -133,7 +130,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run(_command(SOURCES, Path(tmp)), capture_output=True, text=True, timeout=600)
+        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

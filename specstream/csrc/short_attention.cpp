@@ -19,7 +19,6 @@
 #include "common.h"
 
 #include <cmath>
-#include <cstring>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -131,8 +130,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       T* o_row = o_ptr + (i * heads + h) * d;
       const T *k_base = k_ptr + g * ks1, *v_base = v_ptr + g * vs1;
       if (d == 4 * Vec::size()) {
-        attend_row<T, 4>(q_row, k_base, v_base, ks0, vs0, slots, m_row, ms3, s_max, d, scale,
-                                                      scores.data(), o_row);
+        attend_row<T, 4>(q_row, k_base, v_base, ks0, vs0, slots, m_row, ms3, s_max, d, scale, scores.data(), o_row);
       } else if (d == 8 * Vec::size()) {
         attend_row<T, 8>(q_row, k_base, v_base, ks0, vs0, slots, m_row, ms3, s_max, d, scale, scores.data(), o_row);
       } else {
