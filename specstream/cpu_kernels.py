@@ -94,6 +94,8 @@ def _command(source: list[Path]) -> list[str]:
         "-fopenmp",
         *(isa.build_arch_flags().split() if isa else []),
         *(["-mf16c"] if isa else []),  # float16 scales in hardware: every CPU with AVX2 or AVX-512 has F16C
+        # bfloat16 pair products (q4_linear's bfloat16 path) where this CPU has them; the key covers the CPU
+        *(["-mavx512bf16"] if isa and "avx512" in str(isa) and "avx512_bf16" in _cpu_flags().split() else []),
         *(f"-D{macro}" for macro in (isa.build_macro() if isa else [])),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),

@@ -61,6 +61,8 @@ def test_4bit_block_kernel_multiplies_by_the_files_weights(n, k):
     packed = quant.PackedQ4(weights, torch.device("cpu"))
     assert packed.kernel[0] == "q4" and packed.nbytes == n * k // 2 + 2 * 2 * n * (k // 32)
     assert torch.equal(packed(torch.eye(k)).t(), weights.dequantize())
+    # bfloat16 rows take the bfloat16-pair path where the CPU has one: the same weights
+    assert torch.equal(packed(torch.eye(k, dtype=torch.bfloat16)).t(), weights.dequantize().bfloat16())
     for rows in (1, 2, 3, 4, 5, 7, 9, 12, 13, 30):
         x = torch.randn(rows, k)
         torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
@@ -116,9 +118,9 @@ def test_8bit_block_kernel_multiplies_by_the_files_weights(k):
 
 @pytest.mark.parametrize("built", [True, False])
 def test_8bit_source_blocks_take_the_q8_kernel_where_it_builds_else_two_int4_planes(monkeypatch, built):
-    monkeypatch.setattr(cpu_kernels, "_loaded", built)
     if built and not cpu_kernels.load():
         pytest.skip("specstream's CPU kernels did not build (no g++)")
+    monkeypatch.setattr(cpu_kernels, "_loaded", built)  # after loading: True alone would not load the library
     blocks = random_int8_blocks(64, 128)
     factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"lm_head.weight": blocks})
     lin = factory(["lm_head.weight"], torch.zeros(64, 128))
