@@ -285,9 +285,15 @@ def _add_train_draft(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=1500)
     p.add_argument("--max-answer-tokens", type=int, default=256)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
-    p.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument(
+        "--data-share",
+        type=float,
+        default=0.4,
+        help="most of --minutes that writing prompts and answers may take (the rest: features, training)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_train_draft)
@@ -312,6 +318,7 @@ def _train_draft(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps,
         batch_size=args.batch_size,
         lr=args.lr,
+        data_share=args.data_share,
         threads=args.threads,
         seed=args.seed,
     )

@@ -285,8 +285,10 @@ class DraftHead(nn.Module):
         own chain's rows at t. Step 0 reads the true next token x_{t+1}; step j >= 1 reads
         chain_tokens[t + j] (default x_{t+j+1}): the target's own choice there, which is what
         an accepted draft was (only chains whose earlier drafts were right matter), so text
-        the target did not write greedily still trains the chain. Returns the draft logits of
-        each step, [B, L, Vd] (rows past the sequence's end hold garbage; mask them).
+        the target did not write greedily still trains the chain. Returns each step's pre-norm
+        output, [B, L, H]; `logits` turns rows into draft logits (training takes only the rows
+        it learns from: the LM head is most of the head's arithmetic). Rows past the
+        sequence's end hold garbage; mask them.
         """
         cfg = self.cfg
         attn = self.midlayer.self_attn
@@ -322,18 +324,24 @@ class DraftHead(nn.Module):
                 out = out + (probs[..., length:, None] * torch.stack(values[1:], dim=-2)).sum(-2)
             out = out.transpose(1, 2).reshape(b, length, nh * d)
             hidden = self._finish(out, hidden)
-            outs.append(self.logits(hidden))
+            outs.append(hidden)
         return outs
 
     # ------------------------------------------------------------------ init from the target
     def init_from_target(self, final_norm: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> None:
-        """Random layer (std 0.02, as Llama), the target's final norm, and the target's LM-head
-        rows of the draft vocabulary: the head starts out reading its output like the target
-        reads its last hidden state."""
+        """A random layer (std 0.02, as Llama), the target's final norm and the target's LM-head
+        rows of the draft vocabulary, and ``fc`` passing the highest aux layer's features through
+        unchanged: the head starts out with the target's own late residual stream, read the way
+        the target reads its last hidden state, rather than a random mix it must first learn to
+        undo (measured on SmolLM2-135M: held-out acceptance at the first position 0.28 -> 0.32
+        after the same 5 minutes of training)."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for p in [self.fc.weight, *self.midlayer.self_attn.parameters(), *self.midlayer.mlp.parameters()]:
+            for p in [*self.midlayer.self_attn.parameters(), *self.midlayer.mlp.parameters()]:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            h = self.cfg.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, -h:] = torch.eye(h)
             self.norm.weight.copy_(final_norm.float())
             self.lm_head.weight.copy_(lm_head.float()[self.target_ids.cpu()])
 
