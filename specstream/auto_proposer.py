@@ -11,6 +11,8 @@ one, and both can lose to no draft at all. Each method's a is the sequence's own
 decayed history for that method, starting from a prior: the head's held-out acceptance
 from its training report, and for n-gram a prior that grows with the length of the matched
 suffix (a long match in the prompt is usually a copy, and copying is where n-gram wins).
+Once the head is picked, its chain's length is the head's own call, draft by draft (eagle.py's
+ChainJudge: a draft is verified only while the head's confidence in it pays for its row).
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ class AutoProposer(Proposer):
                 drafts[i] = Draft(tokens[:ngram_m], None, "ngram")
                 choice.last_method = "ngram"
             elif head_m and head_rate > plain:
-                head_ks[i] = head_m
+                # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
+                # up to k; without it, at the length best for the sequence's acceptance so far.
+                head_ks[i] = k if self.head.target_cost is not None else head_m
                 choice.last_method = "head"
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):

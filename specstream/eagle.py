@@ -46,6 +46,45 @@ BUNDLED_HEADS = {"smollm2-135m": "smollm2-135m"}
 FEED_CHUNK = 256
 
 
+class ChainJudge:
+    """Which of a step's head drafts are worth verifying (EAGLE-2's observation: a head's own
+    probability of its draft tracks whether the target accepts it).
+
+    A draft at chain position j is reached and accepted with about c_j, the product of the head's
+    probabilities of drafts 1..j. Kept, it adds c_j expected tokens to the step, and costs one
+    row of the target's verification plus its share of the head step that drafted it. It is
+    kept while that cost buys fewer tokens, at the step's rate so far (tokens expected per
+    second), than c_j: while the step's tokens per second still rise. A chain stops at its first
+    draft not kept (later ones are less likely still); a first draft not kept leaves the
+    sequence decoding plainly this round.
+    """
+
+    def __init__(self, verify: CostModel, head_pass: CostModel | None, num_seqs: int) -> None:
+        self.verify = verify
+        self.head_pass = head_pass
+        self.rows = num_seqs  # each sequence verifies at least its own next token
+        self.expected = float(num_seqs)
+        self.seconds = verify(num_seqs)
+        self.chance = [1.0] * num_seqs
+        self.step_share = 0.0
+
+    def head_step(self, num_seqs: int) -> None:
+        """A head pass over num_seqs chains drafted the tokens judged next."""
+        self.step_share = self.head_pass(num_seqs) / num_seqs if self.head_pass is not None else 0.0
+
+    def keep(self, i: int, confidence: float) -> bool:
+        """Sequence i's next draft, whose head probability is `confidence`: kept or not."""
+        chance = self.chance[i] * confidence
+        added = self.verify(self.rows + 1) - self.verify(self.rows) + self.step_share
+        if chance * self.seconds <= added * self.expected:
+            return False
+        self.chance[i] = chance
+        self.rows += 1
+        self.expected += chance
+        self.seconds += added
+        return True
+
+
 def bundled_head_dir(model_name: str) -> Path | None:
     name = BUNDLED_HEADS.get(model_name)
     if name is None:
@@ -106,6 +145,9 @@ class EagleProposer(Proposer):
         # [structured] (logits, seqs, drafted tokens) -> logits masked by each sequence's grammar
         self.constrain = None
         self.cost: CostModel | None = None  # one head pass over n sequences, set by calibrate()
+        # The target's forward time by tokens, set by the engine after its calibration: with it,
+        # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
+        self.target_cost: CostModel | None = None
         self._state: dict[str, _HeadState] = {}
 
     def pass_cost(self, num_seqs: int) -> float:
@@ -137,12 +179,23 @@ class EagleProposer(Proposer):
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
         if not active:
             return drafts
+        judge = ChainJudge(self.target_cost, self.cost, len(seqs)) if self.target_cost is not None else None
         logits, hidden = self._catch_up([seqs[i] for i in active])
         step = 0
         while True:
-            self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
+            if judge is not None:
+                judge.head_step(len(active))
+            confidence = self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
+            kept = [True] * len(active)
+            if judge is not None:
+                for j, i in enumerate(active):
+                    if not judge.keep(i, confidence[j]):
+                        kept[j] = False
+                        drafts[i].tokens.pop()
+                        if drafts[i].probs:
+                            drafts[i].probs.pop()
             step += 1
-            still = [j for j, i in enumerate(active) if ks[i] > step]
+            still = [j for j, i in enumerate(active) if ks[i] > step and kept[j]]
             if not still:
                 break
             active, hidden = [active[j] for j in still], hidden[still]
@@ -156,8 +209,7 @@ class EagleProposer(Proposer):
             if state is not None:
                 self.pool.trim(state.table, state.fed)
         for d in drafts:
-            if d.probs:
-                d.probs = torch.stack(d.probs)
+            d.probs = torch.stack(d.probs) if d.probs else None
         return drafts
 
     def _ready(self, seq: Sequence, k: int) -> bool:
@@ -208,20 +260,27 @@ class EagleProposer(Proposer):
         tokens, positions, ctx, keep = pack(self.pool, items)
         return self.head.step(tokens, hidden, positions, ctx, keep)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> None:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> list[float]:
+        """Append each sequence's draft token `step`; return the head's probability of each (q of
+        a sampled draft, the top probability of a greedy one)."""
         greedy = self.head.target_ids[logits.argmax(-1)].tolist()
         constrained = self.constrain is not None and any(s.constraint is not None for s in seqs)
         if not constrained and all(s.params.greedy for s in seqs):
             tokens, probs = greedy, [None] * len(seqs)
+            top = logits.float().softmax(-1).amax(-1)
         else:
             full = self.head.full_logits(logits)
             if constrained:
                 full, greedy = self._constrained(full, seqs, drafts, greedy)
             tokens, probs = choose_drafts(full, seqs, step, greedy)
-        for d, tok, q in zip(drafts, tokens, probs):
+            top = full.float().softmax(-1).amax(-1)
+        confidence = top.tolist()
+        for j, (d, tok, q) in enumerate(zip(drafts, tokens, probs)):
             d.tokens.append(tok)
             if q is not None:
                 d.probs = (d.probs or []) + [q]
+                confidence[j] = float(q[tok])
+        return confidence
 
     def _constrained(self, full: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], greedy: list[int]):
         """[structured] The head's logits masked by each sequence's grammar after its drafted

@@ -127,9 +127,11 @@ class Engine:
                 self.proposer.cost = self._calibrate(self.proposer.runner)
             elif isinstance(self.proposer, EagleProposer):
                 self.proposer.calibrate()
+                self.proposer.target_cost = target_cost  # chains stop where drafts stop paying
             elif isinstance(self.proposer, AutoProposer):
                 if self.proposer.head is not None:
                     self.proposer.head.calibrate()
+                    self.proposer.head.target_cost = target_cost
                 self.proposer.target_cost = target_cost
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         self.policy = KPolicy(k_max, spec.adaptive, target_cost, self.proposer.pass_cost)
