@@ -94,6 +94,7 @@ class AutoProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         head_ks = [0] * len(seqs)
+        fallback: dict[int, Draft] = {}  # the n-gram draft of a sequence the head's chain may decline
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
@@ -116,11 +117,24 @@ class AutoProposer(Proposer):
                 # up to k; without it, at the length best for the sequence's acceptance so far.
                 head_ks[i] = k if self.head.target_cost is not None else head_m
                 choice.last_method = "head"
+                if ngram_m and ngram_rate > plain:
+                    fallback[i] = Draft(tokens[:ngram_m], None, "ngram")
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
             for i, d in zip(idx, self.head.propose([seqs[i] for i in idx], [head_ks[i] for i in idx])):
-                drafts[i] = d
+                if d.tokens:
+                    drafts[i] = d
+                    continue
+                # The head found none of its drafts worth a row: for auto's choice that is a head round that
+                # yielded nothing (so a head that keeps declining stops being picked), and the n-gram
+                # match, where there is one worth verifying, drafts instead.
+                choice = self._seqs[seqs[i].request_id]
+                choice.head.record(1, 0)
+                choice.last_method = ""
+                if i in fallback:
+                    drafts[i] = fallback[i]
+                    choice.last_method = "ngram"
         return drafts
 
     def _rate(self, a: float, drafts: int, head: bool) -> float:

@@ -256,6 +256,10 @@ class Engine:
             logger.info("speculation auto: n-gram only (%s)", exc)
             return AutoProposer(None, ngram)
         head = load_for_target(head_dir, self.model, self.config.model, self.dtype, self.device)
+        # Below float32 the head's step reads 8-bit weights where the CPU kernels serve them (drafts
+        # only: output is unchanged). float32 keeps the head as trained.
+        if self.dtype != torch.float32 and head.serve_in_8_bits():
+            logger.info("draft head: projections served in 8-bit blocks")
         cfg = head.cfg
         capacity, block_size = self._pool_positions(), self.config.kv_block_size
         pool = KVPool(1, cfg.num_key_value_heads, cfg.head_dim, capacity, block_size, self.dtype, self.device)

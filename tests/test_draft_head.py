@@ -54,7 +54,6 @@ def trained(target_dir, tmp_path_factory) -> tuple[Path, dict]:
         dtype="float32",
         lr=2e-3,
         batch_size=8,
-        ttt_steps=4,
     )
     return out, train_draft(cfg)
 
@@ -82,7 +81,7 @@ def engine_for(model: Path | str, method: str, head: Path | None, **kw) -> Engin
     spec = SpeculativeConfig(
         method=method, draft_model=str(head) if head else None, num_speculative_tokens=kw.pop("k", 4), adaptive=False
     )
-    return Engine(EngineConfig(model=str(model), dtype="float32", speculative=spec, **kw), log=False)
+    return Engine(EngineConfig(model=str(model), dtype=kw.pop("dtype", "float32"), speculative=spec, **kw), log=False)
 
 
 def greedy(engine: Engine, prompts, max_tokens: int = 40):
@@ -521,3 +520,55 @@ def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_
         assert [o.token_ids for o in outs] == plain
         stats[judged] = (sum(o.stats.drafted for o in outs), acceptance(outs))
     assert stats[True][0] < stats[False][0] and stats[True][1] > stats[False][1], stats
+
+
+def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
+    """auto picked the head, but the head's confidence kept none of its drafts: the n-gram match
+    drafts instead, and the declined round counts against the head in auto's choice."""
+    from specstream.adaptive_k import CostModel
+    from specstream.auto_proposer import AutoProposer
+    from specstream.proposers import NgramProposer
+
+    class Declining(_StubHead):
+        target_cost = CostModel([1, 9], [0.010, 0.018])
+
+        def propose(self, seqs, ks):
+            self.asked.extend(ks)
+            return [Draft([], None, "eagle") for _ in ks]
+
+    head = Declining(0.0005)
+    auto = AutoProposer(head, NgramProposer(1, 4), head_prior=0.9)
+    auto.target_cost = CostModel([1, 9], [0.010, 0.018])
+    seq = Sequence("s", [5, 6, 7, 1, 2, 3, 9, 5, 6, 7], SamplingParams(temperature=0), arrival=0)
+    (draft,) = auto.propose([seq], [4])
+    assert head.asked == [4] and draft.method == "ngram" and draft.tokens[:3] == [1, 2, 3]
+    history = auto._seqs["s"].head
+    assert history.rejected == 1.0 and history.accepted == 0.0
+
+
+def test_head_served_in_8_bit_blocks_drafts_as_the_dense_head_does(trained, target_dir):
+    """bf16 serving reads the head's projections as 8-bit blocks (CPU kernels): its logits stay
+    within the quantization's error of the dense head's and its greedy drafts agree."""
+    from specstream import cpu_kernels
+    from specstream.draft_head import _Q8Linear
+
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    from transformers import AutoModelForCausalLM
+
+    embed = AutoModelForCausalLM.from_pretrained(target_dir).get_input_embeddings().weight
+    dense = load_head(trained[0], embed, torch.float32)
+    q8 = load_head(trained[0], embed, torch.float32)
+    assert q8.serve_in_8_bits() and isinstance(q8.lm_head, _Q8Linear)
+    assert isinstance(q8.midlayer.self_attn.q_proj, _Q8Linear) and isinstance(q8.fc, torch.nn.Linear)
+    aux = torch.randn(2, 24, 3 * dense.cfg.hidden_size)
+    tokens = torch.randint(0, 384, (2, 24))
+    with torch.no_grad():
+        for a, b in zip(dense.unroll(aux, tokens, 2), q8.unroll(aux, tokens, 2)):
+            la, lb = dense.logits(a), q8.logits(b)
+            assert (la - lb).abs().max() < 0.05 * la.abs().max()
+            assert (la.argmax(-1) == lb.argmax(-1)).float().mean() > 0.95
+    # A bf16 engine serves its head that way; float32 keeps the head as trained.
+    bf16 = engine_for(target_dir, "eagle", trained[0], dtype="bfloat16")
+    assert isinstance(bf16.proposer.head.lm_head, _Q8Linear)
+    assert isinstance(engine_for(target_dir, "eagle", trained[0]).proposer.head.lm_head, torch.nn.Linear)
