@@ -32,8 +32,8 @@ def _add_serve(sub) -> None:
     )
     a(
         "--speculative-method",
-        default=_env("speculative_method", "ngram"),
-        choices=["ngram", "auto", "eagle", "draft", "off"],
+        default=_env("speculative_method", "auto"),
+        choices=["auto", "ngram", "eagle", "draft", "off"],
     )
     a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
     a(

@@ -429,7 +429,8 @@ class Engine:
         # [structured] grammar-forced tokens lead constrained drafts; drafts cut to what the grammar accepts
         kept = {id(s) for s in decodes}
         ks = [k for s, k in zip(plan.decodes, plan.ks) if id(s) in kept]
-        lookup = self.proposer.lookup if isinstance(self.proposer, NgramProposer) else None
+        ngram = self.proposer.ngram if isinstance(self.proposer, AutoProposer) else self.proposer
+        lookup = ngram.lookup if isinstance(ngram, NgramProposer) else None
         drafts = self.structured.drafts(decodes, ks, drafts, lookup, self._reserve_drafts, self._spare_tokens(plan))
         return decodes, drafts, failed
 

@@ -404,9 +404,9 @@ def test_the_bundled_head_drafts_losslessly_under_eagle_and_auto(default_model_s
     from gateway.cli import build_parser
     from specstream.eagle import bundled_head_dir
 
-    # n-gram stays the default: the bundled head measured no faster than it (README).
-    assert EngineConfig().speculative.method == "ngram"
-    assert build_parser().parse_args(["serve"]).speculative_method == "ngram"
+    # auto is the default: with the bundled head it measured faster than n-gram alone (README).
+    assert EngineConfig().speculative.method == "auto"
+    assert build_parser().parse_args(["serve"]).speculative_method == "auto"
     head_dir = bundled_head_dir("smollm2-135m")
     assert head_dir is not None and (head_dir / "model.safetensors").stat().st_size <= 20 * 10**6
     report = json.loads((head_dir / "report.json").read_text())
