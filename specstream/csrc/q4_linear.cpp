@@ -36,6 +36,21 @@ constexpr int64_t kRows = 12;  // rows of x per pass over a tile
 
 #if defined(CPU_CAPABILITY_AVX512)
 
+// The end of block g for ROWS rows: the chains' sums of c * x, then acc += d * sum + m * sum(x) (xsum: each
+// row's sums of x per block, row stride `blocks`).
+template <int64_t ROWS, int64_t CHAINS>
+inline void finish_block(const __m512 (&part)[ROWS][CHAINS], const c10::Half* scales, const c10::Half* mins,
+                         const float* xsum, int64_t blocks, __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins)));
+  for (int64_t r = 0; r < ROWS; ++r) {
+    __m512 sum = part[r][0];
+    for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
+    acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
+    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks]), acc[r]);
+  }
+}
+
 // ROWS rows of x (float32, row stride k) against one tile. Within a block the codes themselves multiply x
 // (CHAINS independent sums per row, 1, 2 or 4, so that few rows do not wait on the adder), and the block's d and m
 // apply once: sum_j (d c_j + m) x_j = d sum_j c_j x_j + m sum_j x_j, with xsum [rows, K / 32] the second sums.
@@ -70,14 +85,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
         part[r][b1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[3]), c11, part[r][b1]);
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
-    for (int64_t r = 0; r < ROWS; ++r) {
-      __m512 sum = part[r][0];
-      for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
-      acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), acc[r]);
-    }
+    finish_block<ROWS, CHAINS>(part, scales + g * kTile, mins + g * kTile, xsum + g, blocks, acc);
   }
   for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
 }
@@ -136,14 +144,7 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
-    for (int64_t r = 0; r < ROWS; ++r) {
-      __m512 sum = part[r][0];
-      for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
-      acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), acc[r]);
-    }
+    finish_block<ROWS, CHAINS>(part, scales + g * kTile, mins + g * kTile, xsum + g, blocks, acc);
   }
   for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
 }
