@@ -36,19 +36,30 @@ constexpr int64_t kRows = 12;  // rows of x per pass over a tile
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// The end of block g for ROWS rows: the chains' sums of c * x, then acc += d * sum + m * sum(x) (xsum: each
-// row's sums of x per block, row stride `blocks`).
-template <int64_t ROWS, int64_t CHAINS>
-inline void finish_block(const __m512 (&part)[ROWS][CHAINS], const c10::Half* scales, const c10::Half* mins,
-                         const float* xsum, int64_t blocks, __m512* acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins)));
-  for (int64_t r = 0; r < ROWS; ++r) {
-    __m512 sum = part[r][0];
-    for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
-    acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
-    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks]), acc[r]);
+// One pass of ROWS rows over a tile's K / 32 blocks: block_sums(g, part) leaves each row's CHAINS partial sums of
+// c * x over block g in part, and the block's d and m then apply once: acc += d * sum + m * sum(x) (xsum: each
+// row's sums of x per block, [rows, K / 32]).
+template <int64_t ROWS, int64_t CHAINS, typename BlockSums>
+inline void over_blocks(int64_t k, const c10::Half* scales, const c10::Half* mins, const float* xsum, __m512* out,
+                        BlockSums&& block_sums) {
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t blocks = k / kBlock;
+  for (int64_t g = 0; g < blocks; ++g) {
+    __m512 part[ROWS][CHAINS];
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t c = 0; c < CHAINS; ++c) part[r][c] = _mm512_setzero_ps();
+    block_sums(g, part);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      __m512 sum = part[r][0];
+      for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
+      acc[r] = _mm512_fmadd_ps(d, sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), acc[r]);
+    }
   }
+  for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
 }
 
 // ROWS rows of x (float32, row stride k) against one tile. Within a block the codes themselves multiply x
@@ -57,14 +68,8 @@ inline void finish_block(const __m512 (&part)[ROWS][CHAINS], const c10::Half* sc
 template <int64_t ROWS, int64_t CHAINS>
 inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_t* codes, const c10::Half* scales,
                       const c10::Half* mins, __m512* out) {
-  __m512 acc[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low_mask = _mm512_set1_epi32(0x0F);
-  const int64_t blocks = k / kBlock;
-  for (int64_t g = 0; g < blocks; ++g) {
-    __m512 part[ROWS][CHAINS];
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t c = 0; c < CHAINS; ++c) part[r][c] = _mm512_setzero_ps();
+  over_blocks<ROWS, CHAINS>(k, scales, mins, xsum, out, [&](int64_t g, __m512 (&part)[ROWS][CHAINS]) {
     const uint8_t* cg = codes + g * (kBlock / 2) * kTile;
     const float* xg = x + g * kBlock;
     // Two input pairs per step; with 4 chains the second pair feeds chains 2 and 3 (indexes known at
@@ -85,9 +90,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
         part[r][b1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[3]), c11, part[r][b1]);
       }
     }
-    finish_block<ROWS, CHAINS>(part, scales + g * kTile, mins + g * kTile, xsum + g, blocks, acc);
-  }
-  for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -99,8 +102,6 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
 template <int64_t ROWS, int64_t CHAINS>
 inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* codes,
                            const c10::Half* scales, const c10::Half* mins, __m512* out) {
-  __m512 acc[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   // bfloat16 bits of 0.0 .. 15.0, twice (vpermw indexes 32 words).
   alignas(64) static const uint16_t kCodes[32] = {
       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
@@ -108,11 +109,7 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
   const __m512i table = _mm512_load_si512(kCodes);
   const __m512i low_mask = _mm512_set1_epi32(0x0F);
   const __m512i high_mask = _mm512_set1_epi32(0xF0);
-  const int64_t blocks = k / kBlock;
-  for (int64_t g = 0; g < blocks; ++g) {
-    __m512 part[ROWS][CHAINS];
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t c = 0; c < CHAINS; ++c) part[r][c] = _mm512_setzero_ps();
+  over_blocks<ROWS, CHAINS>(k, scales, mins, xsum, out, [&](int64_t g, __m512 (&part)[ROWS][CHAINS]) {
     const uint8_t* cg = codes + g * (kBlock / 2) * kTile;
     const uint16_t* xg = x + g * kBlock;
     // One code pair vector per j, multiplied into every row. With several chains, j steps in groups of
@@ -144,9 +141,7 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
         }
       }
     }
-    finish_block<ROWS, CHAINS>(part, scales + g * kTile, mins + g * kTile, xsum + g, blocks, acc);
-  }
-  for (int64_t r = 0; r < ROWS; ++r) out[r] = acc[r];
+  });
 }
 
 #endif
