@@ -187,7 +187,7 @@ class _MidLayer(nn.Module):
 
 
 class _Q8Linear(nn.Module):
-    """A head projection served from 8-bit blocks (GGUF Q8_0's form: a scale per 32 inputs) by
+    """A head projection served from 8-bit blocks (quant.Int8Blocks, GGUF Q8_0's form) by
     specstream's CPU kernel: one byte per weight read instead of bf16's two, where a head step is
     a handful of one-row products bound by reading their weights. Drafts only: verification
     decides every token, and a sampled draft's q is what this head computed, so output stays
@@ -195,17 +195,12 @@ class _Q8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        from specstream.quant import GROUP
+        from specstream.quant import Int8Blocks, PackedInt8Blocks
 
-        w = weight.detach().float()
-        blocks = w.view(w.shape[0], -1, GROUP)
-        scales = (blocks.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.codes = (blocks / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view_as(w).contiguous()
-        self.scales = scales.contiguous()
+        self.packed = PackedInt8Blocks(Int8Blocks.quantize(weight), weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        return torch.ops.specstream.q8_linear(flat, self.codes, self.scales).view(*x.shape[:-1], -1)
+        return self.packed(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

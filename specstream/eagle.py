@@ -185,7 +185,9 @@ class EagleProposer(Proposer):
         while True:
             if judge is not None:
                 judge.head_step(len(active))
-            confidence = self._choose(logits, [seqs[i] for i in active], [drafts[i] for i in active], step)
+            confidence = self._choose(
+                logits, [seqs[i] for i in active], [drafts[i] for i in active], step, judge is not None
+            )
             kept = [True] * len(active)
             if judge is not None:
                 for j, i in enumerate(active):
@@ -260,26 +262,32 @@ class EagleProposer(Proposer):
         tokens, positions, ctx, keep = pack(self.pool, items)
         return self.head.step(tokens, hidden, positions, ctx, keep)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int) -> list[float]:
-        """Append each sequence's draft token `step`; return the head's probability of each (q of
-        a sampled draft, the top probability of a greedy one)."""
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int, judged: bool
+    ) -> list[float]:
+        """Append each sequence's draft token `step`. With `judged`, return the head's probability
+        of each (q of a sampled draft, the top probability of a greedy one); else nothing is computed
+        for it."""
         greedy = self.head.target_ids[logits.argmax(-1)].tolist()
         constrained = self.constrain is not None and any(s.constraint is not None for s in seqs)
+        masked = None  # the rows a grammar masked, over the whole vocabulary
         if not constrained and all(s.params.greedy for s in seqs):
             tokens, probs = greedy, [None] * len(seqs)
-            top = logits.float().softmax(-1).amax(-1)
         else:
             full = self.head.full_logits(logits)
             if constrained:
                 full, greedy = self._constrained(full, seqs, drafts, greedy)
+                masked = full
             tokens, probs = choose_drafts(full, seqs, step, greedy)
-            top = full.float().softmax(-1).amax(-1)
-        confidence = top.tolist()
+        # Unmasked, the softmax over the draft vocabulary is the full row's (q is 0 outside it).
+        source = logits if masked is None else masked
+        confidence = source.float().softmax(-1).amax(-1).tolist() if judged else []
         for j, (d, tok, q) in enumerate(zip(drafts, tokens, probs)):
             d.tokens.append(tok)
             if q is not None:
                 d.probs = (d.probs or []) + [q]
-                confidence[j] = float(q[tok])
+                if judged:
+                    confidence[j] = float(q[tok])
         return confidence
 
     def _constrained(self, full: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], greedy: list[int]):

@@ -99,6 +99,16 @@ class Int8Blocks:
     codes: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N, K // 32] float32
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Blocks:
+        """Round-to-nearest symmetric quantization of a dense [N, K] weight, per block of 32 inputs
+        (codes -127..127, Q8_0's rule)."""
+        w = weight.detach().float()
+        blocks = w.view(w.shape[0], -1, GROUP)
+        scales = (blocks.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (blocks / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view_as(w)
+        return cls(codes, scales)
+
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales.repeat_interleave(GROUP, dim=1)
 
