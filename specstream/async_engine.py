@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
+from specstream import openmp
 from specstream.engine import Engine
 from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed
 from specstream.outputs import RequestOutput, StreamChunk
@@ -83,14 +84,16 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncEngine:
         """Start the engine thread; when no Engine was given, that thread builds it, so that
-        model loading and every step run in one thread (on CPU, OpenMP kernels are much
-        slower in a thread other than the one that first ran them). A model that cannot
-        load raises here and leaves state "failed"."""
+        model loading and every step run in one thread. This thread's idle OpenMP workers, if
+        it ran torch work before (built the given Engine, say), are freed first: with two
+        thread pools on a few cores every step runs about twice as slow (openmp.py). A model
+        that cannot load raises here and leaves state "failed"."""
         if self._thread is not None:
             return self
         if self._dead is not None:
             raise EngineDeadError("the engine failed; start a new one")
         self._loop = asyncio.get_running_loop()
+        openmp.release_idle_pool()
         self._stopping = False
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specstream-tokenizer")
         ready: asyncio.Future = self._loop.create_future()

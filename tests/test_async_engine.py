@@ -3,6 +3,7 @@ and an event loop that never waits on model compute."""
 
 import asyncio
 import logging
+import os
 import random
 import threading
 import time
@@ -430,3 +431,44 @@ async def test_gauges_are_fresh_after_an_abort_on_an_idle_engine(aengine):
     await wait_for(lambda: registry.get_sample_value("specstream_num_requests_running") == 0)
     assert registry.get_sample_value("specstream_kv_cache_usage_perc") == 0.0
     assert registry.get_sample_value("specstream_num_requests_waiting") == 0
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def test_start_frees_the_calling_threads_idle_openmp_pool(tiny_model_dir):
+    """A second OpenMP pool makes every step about twice as slow on a few cores (openmp.py): the
+    thread that starts an AsyncEngine, here after running a parallel region of its own, gives up
+    its idle worker, and runs torch fine afterwards."""
+    import torch
+
+    from specstream import openmp
+
+    if openmp._libgomp() is None or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs libgomp with OpenMP 5.0's pause (Linux) and 2 CPUs")
+    results = {}
+
+    def caller() -> None:
+        torch.set_num_threads(2)
+        a = torch.randn(256, 256)
+        for _ in range(8):
+            a @ a  # parallel regions: this thread now has a pool with one worker
+        before = _threads()
+        engine = make_engine(tiny_model_dir)
+
+        async def run():
+            async with AsyncEngine(engine=engine) as ae:
+                results["gone"] = before - _threads()
+                out = await ae.generate("Hello world", SamplingParams(max_tokens=6, temperature=0))
+                results["tokens"] = len(out.token_ids)
+
+        asyncio.run(run())
+        results["after"] = (a @ a).shape  # the thread runs parallel regions again (a new pool)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    assert results["tokens"] == 6 and results["after"] == (256, 256)
+    assert len(results["gone"]) == 1, f"threads of the caller's pool freed: {results['gone']}"
+    assert openmp.release_idle_pool() is True
