@@ -57,6 +57,9 @@ from specstream.verify import Round, RoundResult, verify_round
 logger = logging.getLogger(__name__)
 
 _CALIBRATION_CONTEXT = 64
+# How far a one-token step timed at start may be from the cached curve's before it is measured again
+# (repeated timings here vary by about 10%).
+CALIBRATION_TOLERANCE = 0.15
 
 
 def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
@@ -272,9 +275,18 @@ class Engine:
 
     def _calibrate(self, runner: ModelRunner, cache: Path | None = None) -> CostModel:
         """Forward time vs step size, measured on a throwaway sequence (rolled back each time).
-        With a cache file, a curve measured by an earlier start is read from it instead."""
+        With a cache file, a curve measured by an earlier start is read from it instead, once a
+        one-token step timed now agrees with it: a curve measured while the machine was busy, or
+        before a kernel changed, would misprice every draft for as long as the file lives."""
         if cache is not None and (cost := CostModel.load(cache)) is not None:
-            return cost
+            now = self._time_steps(runner, [1], repeats=5)
+            if now is None or abs(now(1) / cost(1) - 1.0) <= CALIBRATION_TOLERANCE:
+                return cost
+            logger.info(
+                "a one-token step takes %.2f ms now, %.2f ms in the cached forward-time curve: measuring it again",
+                1e3 * now(1),
+                1e3 * cost(1),
+            )
         cost = self._measure_forward(runner)
         if cache is not None:
             try:
@@ -311,16 +323,20 @@ class Engine:
         return sizes, min(_CALIBRATION_CONTEXT, (pool or self.pool).capacity - sizes[-1])
 
     def _measure_forward(self, runner: ModelRunner) -> CostModel:
+        return self._time_steps(runner, self._calibration_plan(runner.pool)[0]) or CostModel([1], [1.0])
+
+    def _time_steps(self, runner: ModelRunner, sizes: list[int], repeats: int = 3) -> CostModel | None:
+        """Steps of each size over the calibration context, timed; None where the pool cannot hold them."""
         pool = runner.pool
-        sizes, context = self._calibration_plan(pool)
+        context = self._calibration_plan(pool)[1]
         table = pool.new_table()
-        if context < 0 or not pool.reserve(table, context + sizes[-1]):
+        if context < 0 or not pool.reserve(table, context + max(sizes)):
             pool.free(table)
-            return CostModel([1], [1.0])
+            return None
         try:
             if context:
                 runner.forward([ForwardItem(table, 0, [0] * context, 1)])
-            return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes)
+            return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes, repeats)
         finally:
             pool.free(table)
 

@@ -87,8 +87,26 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
     # timing is not cached).
     monkeypatch.setattr(Engine, "_measure_forward", measure)
     monkeypatch.setattr(quant, "_faster_packed", measure)  # the kernel routes are read back too
+    # A one-token step is timed against the curve (next test); here any timing agrees with it.
+    monkeypatch.setattr("specstream.engine.CALIBRATION_TOLERANCE", 1e9)
     second = Engine(EngineConfig(dtype="float32"), log=False)
     assert second.calibration_file == path
     assert second.policy.target_cost.tokens == CostModel.load(path).tokens
     # A model outside the cache (a plain directory) is measured each time: nothing names its weights.
     assert second._calibration_file(type(default_model_source)("x", "/nonexistent"), "dense") is None
+
+
+def test_a_cached_calibration_that_no_longer_fits_is_measured_again(default_model_source):
+    """A curve kept by an earlier start that a one-token step timed now contradicts (measured while
+    the machine was busy, or before a kernel changed) is measured and kept again."""
+    from specstream import Engine, EngineConfig
+
+    first = Engine(EngineConfig(dtype="float32"), log=False)
+    path = first.calibration_file
+    kept = CostModel.load(path)
+    del first
+    CostModel(kept.tokens, [s * 4 for s in kept.seconds]).save(path)  # four times too slow
+    second = Engine(EngineConfig(dtype="float32"), log=False)
+    again = CostModel.load(path)
+    assert again.seconds[0] < 2 * kept.seconds[0], (kept.seconds[0], again.seconds[0])
+    assert second.policy.target_cost.seconds == again.seconds
