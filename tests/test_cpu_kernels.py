@@ -88,6 +88,32 @@ def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(ker
     torch.testing.assert_close(got, want)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_attention_gives_each_row_what_it_gets_alone(kernels, dtype):
+    """Rows that share a pass over the keys (a verification's rows, the heads of a key/value head) get
+    bit for bit what each gets in a step of its own: a row's result depends on its query, keys and mask
+    alone, whatever the step holds and however the work is split among threads."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, 2, [9, 4], 300, 9, 3, 64, dtype, True)
+    t_max = q_index.shape[1]
+    together = torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+    threads_before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            for i, flat in enumerate(out_index.tolist()):
+                b, t = divmod(flat, t_max)
+                row = q_index[b, t].item()
+                alone = torch.ops.specstream.short_attention(
+                    query[row : row + 1], keys, values, kv_index[b : b + 1], mask[b : b + 1, :, t : t + 1],
+                    torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.125,
+                )
+                assert torch.equal(alone[0], together[i]), (i, b, t, threads)
+        finally:
+            torch.set_num_threads(threads_before)
+
+
 def test_short_attention_refuses_what_it_cannot_serve(kernels):
     q = torch.randn(1, 4, 48)
     kv = torch.randn(16, 2, 48)
