@@ -546,36 +546,6 @@ def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
     assert history.rejected == 1.0 and history.accepted == 0.0
 
 
-
-def test_auto_tries_a_head_that_lost_early_again_once_its_evidence_fades():
-    """A head whose first rounds drafted nothing falls below plain decoding in auto's choice; the
-    rounds it sits out age that evidence, so it is tried again (before, it never was)."""
-    from specstream.adaptive_k import CostModel
-    from specstream.auto_proposer import AutoProposer
-    from specstream.proposers import NgramProposer
-
-    class Declining(_StubHead):
-        target_cost = CostModel([1, 9], [0.010, 0.018])
-
-        def propose(self, seqs, ks):
-            self.asked.extend(ks)
-            return [Draft([], None, "eagle") for _ in ks]
-
-    head = Declining(0.001)
-    auto = AutoProposer(head, NgramProposer(1, 4), head_prior=0.5)
-    auto.target_cost = CostModel([1, 9], [0.010, 0.018])
-    seq = Sequence("s", [11, 12, 13, 14, 15, 16], SamplingParams(temperature=0), arrival=0)  # no n-gram match
-    tried = []
-    for _ in range(40):
-        before = len(head.asked)
-        auto.propose([seq], [4])
-        tried.append(len(head.asked) > before)
-    first_pause = tried.index(False)
-    assert 0 < first_pause < 8, tried  # a few declined rounds put it below plain decoding
-    assert any(tried[first_pause:]), tried  # tried again as the evidence faded
-    assert sum(tried[20:]) <= 4, tried  # a head that keeps declining is tried seldom
-
-
 def test_head_served_in_8_bit_blocks_drafts_as_the_dense_head_does(trained, target_dir):
     """bf16 serving reads the head's projections as 8-bit blocks (CPU kernels): its logits stay
     within the quantization's error of the dense head's and its greedy drafts agree."""
