@@ -11,9 +11,6 @@ one, and both can lose to no draft at all. Each method's a is the sequence's own
 decayed history for that method, starting from a prior: the head's held-out acceptance
 from its training report, and for n-gram a prior that grows with the length of the matched
 suffix (a long match in the prompt is usually a copy, and copying is where n-gram wins).
-A history also ages in the rounds its method sits out, so a method that lost early is tried
-again once its evidence has faded (without that, one declined head round at the start of a
-sequence ruled the head out for all of it).
 Once the head is picked, its chain's length is the head's own call, draft by draft (eagle.py's
 ChainJudge: a draft is verified only while the head's confidence in it pays for its row).
 """
@@ -35,9 +32,6 @@ NGRAM_PRIOR_LONG = 0.7
 HEAD_PRIOR = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
-# How a history ages in a round its method sits out: slower than DECAY, so a method that keeps
-# losing is tried again only every several rounds (each try costs a head step).
-FADE = 0.97
 
 
 @dataclass
@@ -51,12 +45,6 @@ class _History:
     def record(self, drafted: int, accepted: int) -> None:
         self.accepted = self.accepted * DECAY + accepted
         self.rejected = self.rejected * DECAY + (1.0 if accepted < drafted else 0.0)
-
-    def fade(self) -> None:
-        """A round without this method: its evidence ages, so an early bad run does not rule it
-        out for the rest of the sequence (it drifts back toward the prior and is tried again)."""
-        self.accepted *= FADE
-        self.rejected *= FADE
 
 
 @dataclass
@@ -131,9 +119,6 @@ class AutoProposer(Proposer):
                 choice.last_method = "head"
                 if ngram_m and ngram_rate > plain:
                     fallback[i] = Draft(tokens[:ngram_m], None, "ngram")
-            for method in ("head", "ngram"):
-                if method != choice.last_method:
-                    getattr(choice, method).fade()
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
