@@ -479,6 +479,32 @@ def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
     assert choose(0.4, [0.010, 0.030], copy)[1] == "ngram"
 
 
+
+def test_auto_drafts_an_ngram_match_as_ngram_does_and_costs_the_k_policy_no_head_step():
+    """Where the head is not picked, auto's n-gram draft is method ngram's (the whole match, up to the
+    k granted), short matches included; and the k policy, which grants k before auto picks, is not
+    charged a head step per draft (with a real cost curve it then granted auto no drafts at all)."""
+    from specstream.adaptive_k import CostModel, KPolicy
+    from specstream.auto_proposer import AutoProposer
+    from specstream.proposers import NgramProposer
+
+    ngram = NgramProposer(1, 4)
+    auto = AutoProposer(_StubHead(0.004), ngram, head_prior=0.2)  # a weak, dear head: never picked here
+    auto.target_cost = CostModel([1, 9], [0.010, 0.020])
+    assert auto.pass_cost(1) == auto.pass_cost(16) == 0.0
+    for tokens in ([5, 6, 7, 8, 9, 7], [1, 2, 3, 4, 1, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3]):
+        seq = Sequence("s" + str(len(tokens)), tokens, SamplingParams(temperature=0), arrival=0)
+        for k in (1, 3, 8):
+            (draft,) = auto.propose([seq], [k])
+            (plain_ngram,) = ngram.propose([seq], [k])
+            assert draft.tokens == plain_ngram.tokens and draft.tokens, (tokens, k)
+            assert draft.method == "ngram"
+    policy = KPolicy(8, True, auto.target_cost, auto.pass_cost)
+    same = KPolicy(8, True, auto.target_cost, ngram.pass_cost)
+    seq = Sequence("p", [1, 2, 3], SamplingParams(temperature=0), arrival=0)
+    assert policy.choose([seq], 1, 64) == same.choose([seq], 1, 64) and policy.choose([seq], 1, 64)[0] > 0
+
+
 def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     """A draft is kept while (expected tokens + its chance) / (seconds + its row) beats the step's
     rate so far; later drafts need more confidence; free verification keeps every draft."""
