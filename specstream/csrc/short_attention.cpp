@@ -60,6 +60,32 @@ inline void widen(const T* src, Vec* out, int64_t vecs) {
   }
 }
 
+// scores[0, n) in place: exp(x - top) / their sum, each rounded to T (exp(-inf) = 0 for masked keys).
+template <typename T>
+inline void softmax_rounded(float* scores, int64_t n, float top) {
+  const Vec vtop(top);
+  Vec vsum(0.f);
+  int64_t s = 0;
+  for (; s + Vec::size() <= n; s += Vec::size()) {
+    const Vec e = (Vec::loadu(scores + s) - vtop).exp();
+    e.store(scores + s);
+    vsum = vsum + e;
+  }
+  float total = sum_lanes(vsum);
+  for (; s < n; ++s) {
+    scores[s] = std::exp(scores[s] - top);
+    total += scores[s];
+  }
+  const Vec vtotal(total);
+  for (s = 0; s + 2 * Vec::size() <= n; s += 2 * Vec::size()) {
+    Vec lo = Vec::loadu(scores + s) / vtotal, hi = Vec::loadu(scores + s + Vec::size()) / vtotal;
+    if constexpr (!std::is_same_v<T, float>) std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(lo, hi));
+    lo.store(scores + s);
+    hi.store(scores + s + Vec::size());
+  }
+  for (; s < n; ++s) scores[s] = static_cast<float>(static_cast<T>(scores[s] / total));
+}
+
 // One query row and one head, with the head dimension fixed at compile time (VECS vectors) so the query,
 // a key and the output stay in registers; VECS = 0: any supported d, the same loops with runtime bounds.
 template <typename T, int64_t VECS>
@@ -83,24 +109,10 @@ inline void attend_row(const T* q_row, const T* k_base, const T* v_base, int64_t
     scores[s] = x;
     top = x > top ? x : top;
   }
-  // softmax (exp(-inf) = 0 for masked keys), then each probability rounded to the values' dtype
-  const Vec vtop(top);
-  Vec vsum(0.f);
-  int64_t s = 0;
-  for (; s + Vec::size() <= s_max; s += Vec::size()) {
-    const Vec e = (Vec::loadu(scores + s) - vtop).exp();
-    e.store(scores + s);
-    vsum = vsum + e;
-  }
-  float total = sum_lanes(vsum);
-  for (; s < s_max; ++s) {
-    scores[s] = std::exp(scores[s] - top);
-    total += scores[s];
-  }
-  for (s = 0; s < s_max; ++s) scores[s] = static_cast<float>(static_cast<T>(scores[s] / total));
+  softmax_rounded<T>(scores, s_max, top);
   Vec acc[VECS ? VECS : kMaxVecs];
   for (int64_t c = 0; c < vecs; ++c) acc[c] = Vec(0.f);
-  for (s = 0; s < s_max; ++s) {
+  for (int64_t s = 0; s < s_max; ++s) {
     if (scores[s] == 0.f) continue;  // masked, or too small to count
     widen(v_base + slots[s] * v_stride, row, vecs);
     const Vec p(scores[s]);
@@ -228,26 +240,7 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
     for (; s + Vec::size() <= s_max; s += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(sc + s));
     float top = _mm512_reduce_max_ps(vmax);
     for (; s < s_max; ++s) top = sc[s] > top ? sc[s] : top;
-    const Vec vtop(top);
-    Vec vsum(0.f);
-    for (s = 0; s + Vec::size() <= s_max; s += Vec::size()) {
-      const Vec e = (Vec::loadu(sc + s) - vtop).exp();
-      e.store(sc + s);
-      vsum = vsum + e;
-    }
-    float total = sum_lanes(vsum);
-    for (; s < s_max; ++s) {
-      sc[s] = std::exp(sc[s] - top);
-      total += sc[s];
-    }
-    const Vec vtotal(total);
-    for (s = 0; s + 2 * Vec::size() <= s_max; s += 2 * Vec::size()) {
-      Vec lo = Vec::loadu(sc + s) / vtotal, hi = Vec::loadu(sc + s + Vec::size()) / vtotal;
-      if constexpr (!std::is_same_v<T, float>) std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(lo, hi));
-      lo.store(sc + s);
-      hi.store(sc + s + Vec::size());
-    }
-    for (; s < s_max; ++s) sc[s] = static_cast<float>(static_cast<T>(sc[s] / total));
+    softmax_rounded<T>(sc, s_max, top);
   }
   __m512 acc[NQ][V];
   for (int64_t j = 0; j < nq; ++j)
