@@ -19,8 +19,8 @@ class SpeculativeConfig:
     EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
     the model), "draft" (a small model sharing the target's vocabulary, named by
     draft_model), or "off" (plain decoding). With the head bundled for smollm2-135m, "auto"
-    measured 1.02-1.03x n-gram on open chat and 1.12-1.13x on input-grounded prompts (README,
-    Trained draft heads).
+    measured 1.08x n-gram on open chat and 0.96x on input-grounded prompts over three passes
+    (README, Trained draft heads: benchmarks/draft_head_speed.py --repeats 3).
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.

@@ -155,12 +155,6 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
                     int64_t s_max, float scale, float* scores, int64_t s_pad, float* kbuf, bool* seen_by) {
   constexpr int64_t V = 4, D = 64, nq = NQ;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  alignas(64) float qf[kChunk * D];
-  for (int64_t j = 0; j < nq; ++j) {
-    Vec q[V];
-    widen(q_rows[j], q, V);
-    for (int64_t c = 0; c < V; ++c) q[c].store(qf + j * D + c * Vec::size());
-  }
   auto seen = [&](int64_t s) {
     for (int64_t j = 0; j < nq; ++j)
       if (!m_rows[j] || m_rows[j][s * m_stride]) return true;
@@ -193,6 +187,12 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
   } else
 #endif
   {
+    alignas(64) float qf[NQ * D];  // the queries widened to float32, once for the whole pass
+    for (int64_t j = 0; j < nq; ++j) {
+      Vec q[V];
+      widen(q_rows[j], q, V);
+      for (int64_t c = 0; c < V; ++c) q[c].store(qf + j * D + c * Vec::size());
+    }
     for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
       const int64_t nb = std::min(kBlock, s_max - s0);
       for (int64_t s = 0; s < kBlock; ++s) {
