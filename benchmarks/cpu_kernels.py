@@ -19,9 +19,10 @@ from functools import partial
 
 import torch
 
-from specstream import cpu_kernels
-from specstream.attention import attend_short
-from specstream.quant import Int4Weights, Int8Blocks, PackedInt4, PackedInt8Blocks, PackedQ4
+from specstream.kernels import cpu as cpu_kernels
+from specstream.model.attention import attend_short
+from specstream.kernels.weights import Int4Weights, Int8Blocks
+from specstream.kernels.quant import PackedInt4, PackedInt8Blocks, PackedQ4
 
 
 def best_of(fns: list, repeats: int) -> list[float]:

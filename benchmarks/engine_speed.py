@@ -17,7 +17,7 @@ import torch
 
 from gateway.bench.prompts import GROUNDED, OPEN_CHAT
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.models import load_model, load_tokenizer, resolve_model
+from specstream.model.loader import load_model, load_tokenizer, resolve_model
 
 def chat(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.prefix_cache import extend_digests
+from specstream.memory.prefix_cache import extend_digests
 
 TOPICS = [
     "billing",

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from specstream import Engine, EngineConfig, SpeculativeConfig, cpu_kernels, fast_llama
-from specstream.runner import ForwardItem
+from specstream import Engine, EngineConfig, SpeculativeConfig
+from specstream.kernels import cpu as cpu_kernels
+from specstream.model.runner import ForwardItem
 
 CONTEXT = 256
 SHAPES = {"decode 1 row": [1], "verify 9 rows": [9], "8 streams x 1 row": [1] * 8, "prefill 256 rows": [256]}
@@ -30,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["none", "auto", "int4"],
                     help="quantization modes, each eager or as MODE+compile (the compiled forward: one call per "
-                         "step) or MODE+compile+layers (compiled, one call per layer: fast_llama.WHOLE_STEPS off); "
+                         "step) or MODE+compile+layers (compiled, one call per layer: runner.compile(whole_steps=False)); "
                          "+torchops: torch's kernels only (int4 weights, attention), not specstream's CPU kernels")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
@@ -38,13 +39,13 @@ def main() -> None:
     engines = {}
     for mode in args.modes:
         quantization, *options = mode.split("+")
-        config = EngineConfig(dtype=args.dtype, quantization=quantization, compile="compile" in options,
+        config = EngineConfig(dtype=args.dtype, quantization=quantization, compile=False,
                               speculative=SpeculativeConfig(method="off"))
-        fast_llama.WHOLE_STEPS = "layers" not in options
         kernels, cpu_kernels._loaded = cpu_kernels._loaded, False if "torchops" in options else cpu_kernels._loaded
         engines[mode] = Engine(config)
+        if "compile" in options:
+            engines[mode].runner.compile(whole_steps="layers" not in options)
         cpu_kernels._loaded = kernels
-    fast_llama.WHOLE_STEPS = True
     tables = {}
     for mode, engine in engines.items():
         tables[mode] = []

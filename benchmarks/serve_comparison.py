@@ -28,7 +28,7 @@ from _servers import free_port, wait_up  # noqa: E402
 
 from gateway.bench.loadgen import bench, print_table, write_json
 from gateway.bench.plots import plot
-from specstream.models import resolve_model
+from specstream.model.loader import resolve_model
 
 
 def run_server(cmd: list[str], url: str, label: str, model: str, args, env: dict, log: Path) -> dict:

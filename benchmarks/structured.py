@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.structured import StructuredDecoding, StructuredOutput
+from specstream.structured.decoding import StructuredDecoding
+from specstream.sampling import StructuredOutput
 
 PEOPLE = [
     ("Alice Martin", 34, "Lyon", "alice.martin@example.com", "engineer"),
@@ -149,7 +150,7 @@ def timed_mask(sd: StructuredDecoding, matcher, row: torch.Tensor, fill: list, t
 def mask_costs_random_walk(cases, max_positions: int = 150, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """mask_costs() without the model: each schema's matcher walks a random path of allowed
     tokens (ending when EOS is allowed), so the cost is measured on real grammar states."""
-    from specstream.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from specstream.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
     from transformers import AutoConfig
 
     source = resolve_model(DEFAULT_MODEL)

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _servers import free_port, wait_up  # noqa: E402
 
 from gateway.bench.loadgen import bench  # noqa: E402
-from specstream.models import BUNDLED_MODELS, bundled_gguf_path, cache_dir  # noqa: E402
+from specstream.model.loader import BUNDLED_MODELS, bundled_gguf_path  # noqa: E402
+from specstream.cache import cache_dir
 
 CACHE = cache_dir() / "llama.cpp"
 # Portable flags: a -DGGML_NATIVE=ON build segfaulted at start-up on this AMX machine (FACTS.md).

@@ -29,7 +29,6 @@ from specstream import AsyncEngine
 
 log = logging.getLogger("specstream.gateway")
 
-ENGINE_POLL_SECONDS = 0.5
 
 ROUTES = [
     Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
@@ -85,9 +84,7 @@ async def supervise(state: ServingState, on_failure: Callable[[BaseException], N
             on_failure(exc)
             return
         log.info("model '%s' loaded; serving as '%s'", engine.model_name, state.model_name)
-    while engine.state != "failed":
-        await asyncio.sleep(ENGINE_POLL_SECONDS)
-    failure = engine.failure or RuntimeError("the engine failed")
+    failure = await engine.wait_failed()
     log.error("the engine failed and cannot serve any more: %r", failure)
     on_failure(failure)
 

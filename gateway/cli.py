@@ -1,7 +1,8 @@
 """The `specstream` command line: `serve` runs the OpenAI-compatible server; `chat` and
 `bench serve` talk to any OpenAI-compatible server through specstream_client's public API.
 
-Every flag has an environment variable (SPECSTREAM_<FLAG>, e.g. SPECSTREAM_PORT); flags win.
+Every flag has an environment variable (SPECSTREAM_<FLAG>, e.g. SPECSTREAM_PORT); flags win. The engine's
+choices and defaults come from specstream.config (which imports no torch), so they are declared once.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from specstream.config import DTYPES, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+
 if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
     from gateway.settings import GatewaySettings
-    from specstream import AsyncEngine, EngineConfig
+    from specstream import AsyncEngine
 
 
 def _env(name: str, default=None):
@@ -22,9 +25,10 @@ def _env(name: str, default=None):
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over the OpenAI API (default: the bundled smollm2-135m)")
+    engine, spec = EngineConfig(), SpeculativeConfig()  # the defaults
+    p = sub.add_parser("serve", help=f"serve a model over the OpenAI API (default: the bundled {engine.model})")
     a = p.add_argument
-    a("--model", default=_env("model", "smollm2-135m"), help="bundled alias, HF directory, .gguf path or hub id")
+    a("--model", default=_env("model", engine.model), help="bundled alias, HF directory, .gguf path or hub id")
     a(
         "--served-model-name",
         default=_env("served_model_name"),
@@ -32,24 +36,24 @@ def _add_serve(sub) -> None:
     )
     a(
         "--speculative-method",
-        default=_env("speculative_method", "auto"),
-        choices=["auto", "ngram", "eagle", "draft", "off"],
+        default=_env("speculative_method", spec.method),
+        choices=SPECULATIVE_METHODS,
     )
-    a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", "16")))
+    a("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", spec.num_speculative_tokens)))
     a(
         "--draft-model",
         default=_env("draft_model"),
         help="draft model (method draft) or draft-head directory (eagle, auto; default: the bundled head)",
     )
     a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
-    a("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
+    a("--dtype", default=_env("dtype", engine.dtype), choices=DTYPES)
     a(
         "--quantization",
-        default=_env("quantization", "auto"),
-        choices=["none", "auto", "int8", "int4"],
+        default=_env("quantization", engine.quantization),
+        choices=QUANTIZATION_MODES,
         help="weights of the projections: auto (default) = the model file's own 4-bit blocks where it has them, on CPU",
     )
-    a("--device", default=_env("device", "auto"))
+    a("--device", default=_env("device", engine.device))
     a("--host", default=_env("host", "127.0.0.1"))
     a("--port", type=int, default=int(_env("port", "8000")))
     a(
@@ -58,8 +62,8 @@ def _add_serve(sub) -> None:
         default=None,
         help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)",
     )
-    a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
-    a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", "512")))
+    a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", engine.max_num_seqs)))
+    a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", engine.max_num_batched_tokens)))
     a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
     a("--kv-cache-tokens", type=int, default=int(_env("kv_cache_tokens", "0")) or None)
     a(
@@ -78,7 +82,7 @@ def _add_serve(sub) -> None:
         "--no-compile",
         dest="compile",
         action="store_false",
-        default=_env("compile", "1").lower() not in ("0", "false", "no"),
+        default=engine.compile,  # SPECSTREAM_COMPILE, read by EngineConfig
         help="run the forward eager: skip torch.compile of decode/verification steps (compiled at start-up, "
         "cached on disk; the first start on a machine takes about 20 s more)",
     )
@@ -94,7 +98,12 @@ def _add_serve(sub) -> None:
         default=int(_env("max_prompt_chars", "0")) or None,
         help="characters a prompt may have before it is tokenized (default: 32 per token of context)",
     )
-    a("--seed", type=int, default=int(_env("seed", "0")), help="seeds the draws for requests that bring no seed")
+    a(
+        "--seed",
+        type=int,
+        default=int(_env("seed", engine.seed)),
+        help="seeds the draws for requests that bring no seed",
+    )
     a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
@@ -106,8 +115,6 @@ def _add_serve(sub) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration `specstream serve` flags describe."""
-    from specstream import EngineConfig, SpeculativeConfig
-
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -151,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from specstream import ModelError, check_draft_head, resolve_model
-    from specstream.models import read_chat_template
+    from specstream.model.loader import read_chat_template
 
     try:
         # Fail fast on a bad name or template (and convert the bundled model) before the server starts.

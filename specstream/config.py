@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("ngram", "auto", "eagle", "draft", "off")
+SPECULATIVE_METHODS = ("auto", "ngram", "eagle", "draft", "off")
 QUANTIZATION_MODES = ("none", "auto", "int8", "int4")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -18,9 +19,8 @@ class SpeculativeConfig:
     with no head), "ngram" (prompt lookup over prompt + output), "eagle" (a trained
     EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
     the model), "draft" (a small model sharing the target's vocabulary, named by
-    draft_model), or "off" (plain decoding). With the head bundled for smollm2-135m, "auto"
-    measured 1.08x n-gram on open chat and 0.96x on input-grounded prompts over three passes
-    (README, Trained draft heads: benchmarks/draft_head_speed.py --repeats 3).
+    draft_model), or "off" (plain decoding). The README's "Trained draft heads" section has what
+    each method measured.
     num_speculative_tokens: the most drafts per sequence per round (k_max).
     adaptive: choose each sequence's k per round from its acceptance history and the
     measured cost of verification; False drafts k_max whenever a proposal exists.
@@ -29,7 +29,7 @@ class SpeculativeConfig:
     """
 
     method: str = "auto"
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = 16
     draft_model: str | None = None
     draft_dtype: str | None = None
     ngram_min: int = 1
@@ -60,7 +60,7 @@ class EngineConfig:
     when present. KV space is kv_cache_tokens slots per model; when None it is derived from
     kv_cache_bytes. max_model_len bounds prompt + output of one sequence (default: the
     model's own limit, capped by the pool). enable_prefix_caching keeps the KV of committed
-    full blocks for reuse by later requests with the same token prefix (prefix_cache.py).
+    full blocks for reuse by later requests with the same token prefix (memory/prefix_cache.py).
     max_prompt_chars bounds a prompt's characters before it is tokenized (default:
     max_model_len * 32). allow_special_tokens_in_content lets text in chat message content that
     spells a special token (say "<|im_start|>") become that token, as plain templating does; by
@@ -68,15 +68,15 @@ class EngineConfig:
     of seeds for requests that bring none.
     chat_template: a Jinja file path or inline template that replaces the model's own (needed
     for chat with a model that has none).
-    quantization: how the projections' weights are held (quant.py): "auto" (the default) serves
+    quantization: how the projections' weights are held (kernels/quant.py): "auto" (the default) serves
     the 4-bit blocks a GGUF file stores as they are, with torch's int4 kernel, on CPU (dense on
     other devices and for other sources); "none" keeps every weight dense as loaded; "int4" /
     "int8" quantize every projection (lossy where the source is not 4-bit).
-    deterministic: batch- and speculation-invariant numerics (runner.py): a token's logits are
+    deterministic: batch- and speculation-invariant numerics (model/runner.py): a token's logits are
     bit-identical whatever else its step computed, so greedy output, and seeded sampling, give
     the same tokens with or without drafts and alone or in any batch, in bf16 too. Costs the
     padding of every step to fixed tiles; needs the lean Llama forward.
-    compile: torch.compile the lean forward's decode and verification steps (fast_llama.py), traced at
+    compile: torch.compile the lean forward's decode and verification steps (model/fast_llama.py), traced at
     start-up and cached on disk by inductor. On by default; the environment variable
     SPECSTREAM_COMPILE=0 turns the default off (the test suite does, to start engines fast). Ignored
     in invariant mode and for models that run through transformers' modules.
@@ -106,8 +106,8 @@ class EngineConfig:
             self.speculative = SpeculativeConfig(**self.speculative)
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")

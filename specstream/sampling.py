@@ -8,13 +8,13 @@ with speculation on or off.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from specstream.errors import InvalidRequestError
-from specstream.structured import StructuredOutput, check_logit_bias
 
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
@@ -27,6 +27,72 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stop string's length is held back from the stream
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256  # the salt is hashed into every prefix-cache digest chain's root
+MAX_LOGIT_BIAS = 300
+_STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match: exactly one of the five kinds.
+
+    json_schema: a JSON Schema (dict); json_object: any JSON object; regex: a regular
+    expression (Rust regex syntax) for the whole output; grammar: a Lark grammar in
+    llguidance's dialect (it may embed ``%json {...}`` schemas); choice: one of these strings.
+    param names the request field this came from, for error messages.
+    """
+
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    param: str = "structured"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(f"give exactly one of {', '.join(_STRUCTURED_KINDS)} (got {given or 'none'})", param=self.param)
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json_schema" and not isinstance(value, dict):
+            raise InvalidRequestError("a JSON schema must be an object", param=self.param)
+        if kind == "json_object" and value is not True:
+            raise InvalidRequestError("json_object must be true", param=self.param)
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise InvalidRequestError(f"{kind} must be a non-empty string", param=self.param)
+        if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param=self.param)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """Identifies the compiled grammar (the cache key)."""
+        value = getattr(self, self.kind)
+        return self.kind, json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+
+
+def check_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI's bounds: at most 300 entries, token ids >= 0, values in [-100, 100]."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to values", param="logit_bias")
+    out = {}
+    for tok, value in bias.items():
+        try:
+            tok_id = int(tok)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {tok!r}", param="logit_bias") from None
+        if isinstance(tok, bool) or tok_id < 0 or str(tok_id) != str(tok).strip():
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {tok!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
+        out[tok_id] = float(value)
+    return out
 
 
 @dataclass

@@ -6,9 +6,26 @@ import enum
 from dataclasses import dataclass, field
 
 from specstream.detok import IncrementalDetokenizer
-from specstream.kv import BlockTable
-from specstream.prefix_cache import PrefixState
+from specstream.memory.kv import BlockTable
+from specstream.memory.prefix_cache import PrefixState
 from specstream.sampling import SamplingParams, reduce_seed
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted drafts and of rounds that ended in a rejection."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+    def record(self, drafted: int, accepted: int, decay: float) -> None:
+        """A round is a geometric observation: `accepted` successes, then one failure unless all
+        drafts were accepted."""
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
 
 
 class SequenceStatus(enum.Enum):
@@ -70,17 +87,15 @@ class Sequence:
         self.seed = reduce_seed(params.seed if params.seed is not None else seed)
         self.arrival = arrival  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
-        self.block_table = BlockTable()  # its KV blocks, per layer group (kv.py)
+        self.block_table = BlockTable()  # its KV blocks, per layer group (memory/kv.py)
         self.num_cached = 0  # positions whose KV is in the target pool
-        self.prefix = PrefixState()  # block digests and cache hits (prefix_cache.py)
+        self.prefix = PrefixState()  # block digests and cache hits (memory/prefix_cache.py)
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.detokenizer = detokenizer
         self.constraint = None  # [structured] structured.Constraint (grammar, logit bias), set by the processor
-        # Acceptance history for the adaptive k policy (exponentially decayed counts).
-        self.accept_mass = 0.0
-        self.reject_mass = 0.0
+        self.acceptance = Acceptance()  # its drafts' history, for the k policy (spec_decode/policy.py)
 
     @property
     def output_ids(self) -> list[int]:
@@ -89,6 +104,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
 
     @property
     def num_pending(self) -> int:

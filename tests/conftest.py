@@ -121,6 +121,6 @@ def tiny_draft_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_source():
-    from specstream.models import DEFAULT_MODEL, resolve_model
+    from specstream.model.loader import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)

@@ -1,6 +1,8 @@
 """The k policy and its cost model."""
 
-from specstream.adaptive_k import CostModel, KPolicy, acceptance_estimate, record_round
+from specstream.calibration import CostModel
+from specstream.sequence import Acceptance
+from specstream.spec_decode.policy import KPolicy, acceptance_estimate, record_round
 from specstream.sampling import SamplingParams
 from specstream.sequence import Sequence
 
@@ -9,7 +11,7 @@ def seqs(n, accepted=0.0, rejected=0.0):
     out = []
     for i in range(n):
         s = Sequence(str(i), [1, 2, 3], SamplingParams(), i)
-        s.accept_mass, s.reject_mass = accepted, rejected
+        s.acceptance = Acceptance(accepted, rejected)
         out.append(s)
     return out
 
@@ -73,7 +75,8 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
     """The bundled model lives in specstream's content-keyed cache, so the forward-time curve
     measured by one start is read by the next instead of measured again (the second start of a
     GGUF model is about 3.5 s faster for Gemma 3 270M)."""
-    from specstream import Engine, EngineConfig, quant
+    from specstream import Engine, EngineConfig, calibration
+    from specstream.kernels import routes
 
     first = Engine(EngineConfig(dtype="float32"), log=False)
     path = first.calibration_file
@@ -83,17 +86,25 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
     def measure(*args, **kwargs):
         raise AssertionError("measured again")
 
-    # The target's forward is not timed again (the draft head's step, a millisecond, is: its
-    # timing is not cached).
-    monkeypatch.setattr(Engine, "_measure_forward", measure)
-    monkeypatch.setattr(quant, "_faster_packed", measure)  # the kernel routes are read back too
-    # A one-token step is timed against the curve (next test); here any timing agrees with it.
-    monkeypatch.setattr("specstream.engine.CALIBRATION_TOLERANCE", 1e9)
+    time_steps = calibration.time_steps
+
+    def probe_only(runner, sizes, context, repeats=3):
+        if sizes != [1]:
+            measure()
+        return time_steps(runner, sizes, context, repeats)
+
+    # The target's forward is not timed again, only probed with a one-token step (the draft head's
+    # step is: its timing is not kept).
+    monkeypatch.setattr(calibration, "time_steps", probe_only)
+    monkeypatch.setattr(routes, "_faster_packed", measure)  # the kernel routes are read back too
+    # The probe is checked against the curve (next test); here any timing agrees with it.
+    monkeypatch.setattr(calibration, "TOLERANCE", 1e9)
     second = Engine(EngineConfig(dtype="float32"), log=False)
     assert second.calibration_file == path
     assert second.policy.target_cost.tokens == CostModel.load(path).tokens
     # A model outside the cache (a plain directory) is measured each time: nothing names its weights.
-    assert second._calibration_file(type(default_model_source)("x", "/nonexistent"), "dense") is None
+    outside = type(default_model_source)("x", "/nonexistent")
+    assert calibration.cache_file("forward", outside, second.dtype, second.device, ["dense"]) is None
 
 
 def test_a_cached_calibration_that_no_longer_fits_is_measured_again(default_model_source):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.async_engine import AsyncEngine
+from specstream.engine.async_engine import AsyncEngine
 from specstream.errors import EngineDeadError, InvalidRequestError, QueueFull, RequestFailed
 
 PROMPTS = [
@@ -443,7 +443,7 @@ def test_start_frees_the_calling_threads_idle_openmp_pool(tiny_model_dir):
     its idle worker, and runs torch fine afterwards."""
     import torch
 
-    from specstream import openmp
+    from specstream.kernels import openmp
 
     if openmp._libgomp() is None or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs libgomp with OpenMP 5.0's pause (Linux) and 2 CPUs")

@@ -20,7 +20,7 @@ from specstream import (
     SamplingParams,
     SpeculativeConfig,
 )
-from specstream.models import load_tokenizer, resolve_model
+from specstream.model.loader import load_tokenizer, resolve_model
 
 CHAT = [{"role": "user", "content": "Hello!"}]
 # A template unlike the tiny tokenizer's own, so using it is visible in the tokens.

@@ -11,8 +11,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import build_tiny_model
-from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, cpu_kernels, fast_llama
-from specstream.runner import ForwardItem
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.kernels import cpu as cpu_kernels
+from specstream.model import fast_llama, kept_steps
+from specstream.model.runner import ForwardItem
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="no g++: inductor cannot build the compiled forward (make setup installs it)"
@@ -42,15 +44,15 @@ def tiny_model_dir(tmp_path_factory):
 def compiled(tiny_model_dir):
     """An engine whose torch.compile'd calls (the fallback of the kept functions) also run both of the
     tiny model's layers at once (the default runs one per call)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fast_llama, "LAYERS_PER_GRAPH", 2)
-        return make_engine(tiny_model_dir, compile=True)
+    engine = make_engine(tiny_model_dir, compile=False)
+    engine.runner.compile(layers_per_graph=2)
+    return engine
 
 
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path):
     """The compiled forward's cache in an empty directory: a machine with nothing compiled yet."""
-    from specstream import runner
+    from specstream.model import runner
 
     monkeypatch.setattr(runner, "cache_dir", lambda: tmp_path)
     return tmp_path
@@ -134,11 +136,11 @@ def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, fresh_cache,
     """bf16 with int4 weights: the graph holds the packed int4 kernel (specstream's q4_linear, or torch's
     where specstream's kernels did not build), and its logits match the eager forward's within bf16
     rounding (fusion keeps float32 between ops where eager rounds)."""
-    from specstream import quant
+    from specstream.kernels import routes
 
     if kernel == "int4":
         monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setattr(quant, "_faster_packed", lambda *args: True)  # route every size to the packed kernel
+    monkeypatch.setattr(routes, "_faster_packed", lambda *args: True)  # route every size to the packed kernel
     engine = make_engine(tiny_model_dir, compile=True, dtype="bfloat16", quantization="int4", method="off")
     fast = engine.runner.fast
     assert fast.compiled_rows > 0 and {k[0] for layer in fast._kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {kernel}
@@ -204,7 +206,7 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
     assert "ahead of time (" not in caplog.text  # loaded, not compiled
     assert counters["stats"]["unique_graphs"] == graphs  # and nothing traced
     assert all(p.stat().st_mtime > 0 for p in kept)  # loading marks a file as in use
-    fast_llama._prune_kept(kept_dir)
+    kept_steps.prune(kept_dir)
     assert not stale.exists() and all(p.exists() for p in kept)
     for engine in (first, second):
         fast = engine.runner.fast
@@ -226,7 +228,7 @@ def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compile
     def refuse(*args, **kwargs):
         raise RuntimeError("aot_compile is not available")
 
-    monkeypatch.setattr(fast_llama, "_kept_guards", refuse)  # fails inside the ahead-of-time compile
+    monkeypatch.setattr(kept_steps, "saveable_guards", refuse)  # fails inside the ahead-of-time compile
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     fast = engine.runner.fast
     assert fast._kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0 and fast.refused == {}

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from specstream import Engine, EngineConfig, ModelError, SamplingParams, SpeculativeConfig
-from specstream.architectures import VERIFIED_ARCHITECTURES, check_architecture
-from specstream.attention import ATTN_IMPLEMENTATION, build_key_view, model_geometry
-from specstream.kv import KVPool
-from specstream.prefix_cache import NO_BLOCK
-from specstream.models import load_model, resolve_model
-from specstream.runner import ForwardItem, ModelRunner
+from specstream.model.architectures import VERIFIED_ARCHITECTURES, check_architecture
+from specstream.model.attention import ATTN_IMPLEMENTATION, build_key_view, model_geometry
+from specstream.memory.kv import KVPool
+from specstream.memory.blocks import NO_BLOCK
+from specstream.model.loader import load_model, resolve_model
+from specstream.model.runner import ForwardItem, ModelRunner
 
 WINDOW = 8
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from specstream import cpu_kernels
-from specstream.attention import attend_short
+from specstream.kernels import cpu as cpu_kernels
+from specstream.model.attention import attend_short
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the kernels cannot be built (make setup installs it)")
 
@@ -132,7 +132,7 @@ def test_a_machine_that_cannot_build_the_kernels_keeps_the_torch_version(monkeyp
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with caplog.at_level(logging.WARNING, logger="specstream.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="specstream.kernels.cpu"):
         assert cpu_kernels.load() is False
         assert cpu_kernels.load() is False  # tried once
     assert sum("unavailable" in r.message for r in caplog.records) == 1

@@ -3,7 +3,7 @@
 import pytest
 
 from specstream.detok import IncrementalDetokenizer
-from specstream.models import load_tokenizer, resolve_model
+from specstream.model.loader import load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,15 @@ from conftest import build_tiny_model
 from safetensors.torch import load_file
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.draft_head import (
-    ARCHITECTURE,
-    HeadError,
-    load_head,
-    read_config,
-    save_head,
-    weight_names,
-)
-from specstream.eagle import EagleProposer
-from specstream.proposers import Draft
-from specstream.runner import ForwardItem
+from specstream.spec_decode.draft_head import ARCHITECTURE, HeadError, load_head, read_config, save_head, weight_names
+from specstream.spec_decode.eagle import EagleProposer
+from specstream.spec_decode.proposer import Draft
+from specstream.model.runner import ForwardItem
 from specstream.sequence import Sequence
-from specstream.train_draft import TrainConfig, train_draft, user_turn_prefix
-from specstream.verify import Round, verify_round
+from specstream.training.config import TrainConfig
+from specstream.training.train_draft import train_draft
+from specstream.training.data import user_turn_prefix
+from specstream.spec_decode.verify import Round, verify_round
 
 RAW_PROMPTS = ["hello there", "what is the capital", "tell me a story", "def add(a, b):", "Paris is", "quick brown"]
 
@@ -378,7 +373,7 @@ def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_
     """fp32, so batched verification cannot flip near-ties: a head (here an untrained one in
     the default model's geometry: 3 aux layers of 30, 8k draft vocabulary) changes nothing
     but speed, alone and batched."""
-    from specstream.draft_head import DraftHead, HeadConfig
+    from specstream.spec_decode.draft_head import DraftHead, HeadConfig
 
     prompts = [
         [{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")
@@ -402,7 +397,7 @@ def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_
 
 def test_the_bundled_head_drafts_losslessly_under_eagle_and_auto(default_model_source, tiny_model_dir):
     from gateway.cli import build_parser
-    from specstream.eagle import bundled_head_dir
+    from specstream.spec_decode.eagle import bundled_head_dir
 
     # auto is the default: with the bundled head it measured faster than n-gram alone (README).
     assert EngineConfig().speculative.method == "auto"
@@ -456,9 +451,9 @@ def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
     """auto judges each method at its best draft length against plain decoding: with cheap
     verification a confident head drafts its full k; where verifying grows with the rows (the int4
     kernel on a CPU) a weak head drafts a short chain or none, and a long n-gram copy still wins."""
-    from specstream.adaptive_k import CostModel
-    from specstream.auto_proposer import AutoProposer
-    from specstream.proposers import NgramProposer
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
 
     def choose(prior: float, verify: list[float], tokens: list[int], k: int = 8) -> tuple[list[int], str]:
         head = _StubHead(0.001)
@@ -484,9 +479,10 @@ def test_auto_drafts_an_ngram_match_as_ngram_does_and_costs_the_k_policy_no_head
     """Where the head is not picked, auto's n-gram draft is method ngram's (the whole match, up to the
     k granted), short matches included; and the k policy, which grants k before auto picks, is not
     charged a head step per draft (with a real cost curve it then granted auto no drafts at all)."""
-    from specstream.adaptive_k import CostModel, KPolicy
-    from specstream.auto_proposer import AutoProposer
-    from specstream.proposers import NgramProposer
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.policy import KPolicy
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
 
     ngram = NgramProposer(1, 4)
     auto = AutoProposer(_StubHead(0.004), ngram, head_prior=0.2)  # a weak, dear head: never picked here
@@ -508,21 +504,21 @@ def test_auto_drafts_an_ngram_match_as_ngram_does_and_costs_the_k_policy_no_head
 def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     """A draft is kept while (expected tokens + its chance) / (seconds + its row) beats the step's
     rate so far; later drafts need more confidence; free verification keeps every draft."""
-    from specstream.adaptive_k import CostModel
-    from specstream.eagle import ChainJudge
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.policy import ChainJudge
 
     steep = CostModel([1, 9], [0.010, 0.026])  # each verified row costs 0.002 s, a fifth of a step
     judge = ChainJudge(steep, CostModel([1], [0.0]), 1)
     assert not judge.keep(0, 0.15)  # 0.15 tokens for 0.002 s: below 1 token / 0.010 s
     judge = ChainJudge(steep, CostModel([1], [0.0]), 1)
     assert judge.keep(0, 0.9) and judge.chance == [0.9] and judge.rows == 2
-    assert judge.expected == pytest.approx(1.9) and judge.seconds == pytest.approx(0.012)
+    assert judge.step.expected == pytest.approx(1.9) and judge.step.seconds == pytest.approx(0.012)
     assert judge.keep(0, 0.5)  # chance 0.45 for 0.002 s against 1.9 tokens / 0.012 s
     assert not judge.keep(0, 0.5)  # chance 0.225: 0.002 s buys 0.34 tokens at the rate so far
     # A draft pays for the head step that made it too: the same chain stops sooner when they are dear.
     dear = ChainJudge(steep, CostModel([1], [0.004]), 1)
     dear.head_step(1)
-    assert dear.keep(0, 0.9) and dear.seconds == pytest.approx(0.016)
+    assert dear.keep(0, 0.9) and dear.step.seconds == pytest.approx(0.016)
     dear.head_step(1)
     assert not dear.keep(0, 0.5)
     # Verification as cheap for 9 rows as for 1: any chance pays.
@@ -533,7 +529,7 @@ def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
 def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_drafts(trained, target_dir, chats):
     """fp32, greedy: with a verification cost that makes weak drafts lose, the head keeps fewer
     drafts, more of them are accepted, and the output is still the plain one."""
-    from specstream.adaptive_k import CostModel
+    from specstream.calibration import CostModel
 
     prompts = chats + RAW_PROMPTS
     plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), prompts)]
@@ -551,9 +547,9 @@ def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_
 def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
     """auto picked the head, but the head's confidence kept none of its drafts: the n-gram match
     drafts instead, and the declined round counts against the head in auto's choice."""
-    from specstream.adaptive_k import CostModel
-    from specstream.auto_proposer import AutoProposer
-    from specstream.proposers import NgramProposer
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
 
     class Declining(_StubHead):
         target_cost = CostModel([1, 9], [0.010, 0.018])
@@ -575,8 +571,8 @@ def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
 def test_head_served_in_8_bit_blocks_drafts_as_the_dense_head_does(trained, target_dir):
     """bf16 serving reads the head's projections as 8-bit blocks (CPU kernels): its logits stay
     within the quantization's error of the dense head's and its greedy drafts agree."""
-    from specstream import cpu_kernels
-    from specstream.draft_head import _Q8Linear
+    from specstream.kernels import cpu as cpu_kernels
+    from specstream.spec_decode.draft_head import _Q8Linear
 
     if not cpu_kernels.load():
         pytest.skip("specstream's CPU kernels did not build (no g++)")

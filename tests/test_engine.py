@@ -78,7 +78,7 @@ def test_draft_model_sampling_keeps_target_distribution(tiny_model_dir, tiny_dra
     """The second output token passes through the rejection sampler (its draft comes from
     the draft model); its frequencies over many seeds must match the exact marginal
     sum_t1 p(t1) p(t2 | t1) computed from the target model, within 5 standard deviations."""
-    from specstream.models import load_model, resolve_model
+    from specstream.model.loader import load_model, resolve_model
 
     prompt = [5, 40, 7, 99, 12]
     n = 3000
@@ -184,7 +184,7 @@ def test_default_model_ngram_greedy_equals_plain_batched():
 
 
 def test_logprobs_match_the_reference_model_with_and_without_speculation(tiny_model_dir, plain):
-    from specstream.models import load_model, resolve_model
+    from specstream.model.loader import load_model, resolve_model
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     prompt = PROMPTS[0]
@@ -230,9 +230,9 @@ def test_recovered_tokens_do_not_reuse_a_later_rounds_uniform():
     """Two consecutive rejections must draw their recovered tokens independently: with a
     fixed p and a draft that always proposes token 0, the recovered tokens of rounds that
     start one position apart must not always agree."""
-    from specstream.proposers import Draft
+    from specstream.spec_decode.proposer import Draft
     from specstream.sequence import Sequence
-    from specstream.verify import Round, verify_round
+    from specstream.spec_decode.verify import Round, verify_round
 
     p = torch.tensor([0.4, 0.3, 0.3]).log()
     same = both = 0

@@ -537,7 +537,7 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(server):
 
 def test_logprob_bytes_rebuild_characters_split_across_tokens():
     from gateway.tokens import TokenBytes
-    from specstream.models import load_tokenizer, resolve_model
+    from specstream.model.loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     text = "\u4f60\u597d \U0001f600 ok"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from specstream import models
-from specstream.models import ModelSource, converted_source, resolve_model
+from specstream.model import loader as models
+from specstream.model.loader import ModelSource, converted_source, resolve_model
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def gguf_file(path: Path, content: bytes) -> Path:
 
 
 def test_a_gguf_file_is_converted_once_and_then_read_from_its_cache(tmp_path, conversions, caplog):
-    caplog.set_level(logging.INFO, logger="specstream.models")
+    caplog.set_level(logging.INFO, logger="specstream.model.loader")
     source = resolve_model(str(gguf_file(tmp_path / "a" / "m.gguf", b"weights" * 1000)))
     first, second = converted_source(source), converted_source(source)
     assert conversions == [tmp_path / "a" / "m.gguf"]

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
-from specstream.fast_llama import FastLlama
-from specstream.kv import KVPool
-from specstream.models import ModelError, load_model, resolve_model
-from specstream.runner import INVARIANT_TILE, ForwardItem, ModelRunner
+from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
+from specstream.model.fast_llama import FastLlama
+from specstream.memory.kv import KVPool
+from specstream.model.loader import ModelError, load_model, resolve_model
+from specstream.model.runner import INVARIANT_TILE, ForwardItem, ModelRunner
 
 DTYPES = [torch.bfloat16, torch.float32]
 

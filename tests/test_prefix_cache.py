@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.kv import KVPool
-from specstream.prefix_cache import NO_BLOCK, BlockAllocator, PrefixCache, extend_digests
-from specstream.runner import ForwardItem, ModelRunner
+from specstream.memory.kv import KVPool
+from specstream.memory.blocks import NO_BLOCK, BlockAllocator
+from specstream.memory.prefix_cache import PrefixCache, extend_digests
+from specstream.model.runner import ForwardItem, ModelRunner
 from specstream.sequence import Sequence
 
 BLOCK = 16

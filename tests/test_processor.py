@@ -6,8 +6,8 @@ import random
 import pytest
 
 from specstream.errors import InvalidRequestError
-from specstream.models import load_tokenizer, resolve_model
-from specstream.processor import InputProcessor
+from specstream.model.loader import load_tokenizer, resolve_model
+from specstream.engine.processor import InputProcessor
 from specstream.sampling import SamplingParams
 
 CHATS = [

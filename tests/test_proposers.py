@@ -1,6 +1,6 @@
 """Proposers: n-gram prompt lookup."""
 
-from specstream.proposers import NgramProposer
+from specstream.spec_decode.ngram import NgramProposer
 
 
 def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():

@@ -4,8 +4,12 @@ what the layout says, and speculative output still equals plain output with quan
 import pytest
 import torch
 
-from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig, cpu_kernels, quant
-from specstream.quant import Int4Weights, Int8Blocks, Linear, LinearFactory, PackedInt4, PackedInt8
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.kernels import cpu as cpu_kernels
+from specstream.kernels import quant, routes
+from specstream.kernels.weights import source_int4_weights
+from specstream.kernels.weights import Int4Weights, Int8Blocks
+from specstream.kernels.quant import Linear, LinearFactory, PackedInt4, PackedInt8
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -178,7 +182,7 @@ def test_a_tied_embedding_keeps_its_values_when_the_head_is_quantized():
 def test_kernel_choice_keeps_what_it_routes_to():
     factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
     lin = factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
-    (choice,) = quant.choose_kernels(factory.built, 64, torch.bfloat16, torch.device("cpu"))
+    (choice,) = routes.choose_kernels(factory.built, 64, torch.bfloat16, torch.device("cpu"))
     assert choice.max_packed_rows == lin.max_packed_rows
     assert (lin.packed is None) == (choice.max_packed_rows == 0)
     assert (lin.dense is None) == (not choice.keeps_dense)
@@ -197,16 +201,16 @@ def test_kernel_routes_timed_once_are_replayed_from_their_file(tmp_path, monkeyp
         return factory
 
     path = tmp_path / "routes.json"
-    first = quant.settle(build(), model, 64, routes_file=path)
-    assert quant.load_routes(path) == {"256x256": first[0].max_packed_rows}
-    monkeypatch.setattr(quant, "_faster_packed", lambda *args: pytest.fail("timed again"))
-    second = quant.settle(build(), model, 64, routes_file=path)
+    first = routes.settle(build(), model, 64, routes_file=path)
+    assert routes.load_routes(path) == {"256x256": first[0].max_packed_rows}
+    monkeypatch.setattr(routes, "_faster_packed", lambda *args: pytest.fail("timed again"))
+    second = routes.settle(build(), model, 64, routes_file=path)
     assert [c.max_packed_rows for c in second] == [c.max_packed_rows for c in first]
     path.write_text('{"256x256": "many"}')
-    assert quant.load_routes(path) is None
-    monkeypatch.setattr(quant, "_faster_packed", lambda *args: True)
-    (third,) = quant.settle(build(), model, 64, routes_file=path)
-    assert third.max_packed_rows == 1 << 30 and quant.load_routes(path) == {"256x256": 1 << 30}
+    assert routes.load_routes(path) is None
+    monkeypatch.setattr(routes, "_faster_packed", lambda *args: True)
+    (third,) = routes.settle(build(), model, 64, routes_file=path)
+    assert third.max_packed_rows == 1 << 30 and routes.load_routes(path) == {"256x256": 1 << 30}
 
 
 def test_auto_quantization_is_the_default_for_the_engine_and_serve(monkeypatch):
@@ -233,7 +237,7 @@ def engine(model, method="off", quantization="int4", k=5):
 @pytest.mark.parametrize("kernels", ["measured", "packed for every step"])
 def test_int4_greedy_speculative_equals_plain_alone_and_batched(tiny_model_dir, monkeypatch, kernels):
     if kernels != "measured":
-        monkeypatch.setattr(quant, "choose_kernels", lambda *args: [])
+        monkeypatch.setattr(routes, "choose_kernels", lambda *args: [])
     plain, spec = engine(tiny_model_dir), engine(tiny_model_dir, "ngram")
     if kernels != "measured":
         assert all(layer[1].max_packed_rows > 64 for layer in spec.runner.fast.layers)
@@ -247,10 +251,10 @@ def test_int4_greedy_speculative_equals_plain_alone_and_batched(tiny_model_dir, 
 
 
 def test_gguf_int4_blocks_are_the_files_weights_bit_for_bit(default_model_source):
-    from specstream.models import gguf_file, load_model
+    from specstream.model.loader import gguf_file, load_model
 
     model = load_model(default_model_source)  # float32, dequantized from the same file by gguf-py
-    source = quant.source_int4_weights(gguf_file(default_model_source), model.config)
+    source = source_int4_weights(gguf_file(default_model_source), model.config)
     params = dict(model.named_parameters())
     params["lm_head.weight"] = model.get_output_embeddings().weight  # tied: the Q8_0 embedding
     assert len(source) == 7 * model.config.num_hidden_layers + 1
@@ -271,7 +275,7 @@ def test_default_model_int4_greedy_speculative_equals_plain_batched(monkeypatch)
             lin.max_packed_rows = 1
         return []
 
-    monkeypatch.setattr(quant, "choose_kernels", route_single_rows_packed)
+    monkeypatch.setattr(routes, "choose_kernels", route_single_rows_packed)
     prompts = [
         [{"role": "user", "content": "Rewrite in the past tense: The cat sits on the mat and the dog runs."}],
         [{"role": "user", "content": "What is the capital of France?"}],

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specstream.attention import ATTN_IMPLEMENTATION, model_geometry
-from specstream.kv import KVPool
-from specstream.models import load_model, resolve_model
-from specstream.runner import ForwardItem, ModelRunner
+from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
+from specstream.memory.kv import KVPool
+from specstream.model.loader import load_model, resolve_model
+from specstream.model.runner import ForwardItem, ModelRunner
 
 
 def setup(model_dir, tokens=512, fast=True):

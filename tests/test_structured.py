@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from specstream import Engine, EngineConfig, InvalidRequestError, SamplingParams, SpeculativeConfig
-from specstream.proposers import Draft
+from specstream.spec_decode.proposer import Draft
 from specstream.sequence import Sequence
-from specstream.structured import StructuredOutput, proposer_share
-from specstream.verify import Round
+from specstream.sampling import StructuredOutput
+from specstream.structured.decoding import proposer_share
+from specstream.spec_decode.verify import Round
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SCHEMA = {
@@ -136,7 +137,7 @@ def test_constrained_sampling_with_a_draft_head_matches_constrained_sampling_wit
     """The same with an EAGLE head over a reduced draft vocabulary: its q is masked by the
     grammar too, so its drafts are valid and get verified (with its drafts only cut to the
     grammar, 7 of 1000 requests here kept any) while the outputs keep the distribution."""
-    from specstream.draft_head import DraftHead, HeadConfig, save_head
+    from specstream.spec_decode.draft_head import DraftHead, HeadConfig, save_head
 
     target = plain.model
     cfg = HeadConfig.for_target(target.config, 256)

@@ -24,7 +24,7 @@ from specstream import (
     SpeculativeConfig,
     template_calls_tools,
 )
-from specstream.processor import InputProcessor
+from specstream.engine.processor import InputProcessor
 from test_gateway_structured import ADD, CHAT, HISTORY, MODEL, TOOLS, check_calls
 
 # A Qwen 2.5-style template, cut down: tools in the system turn, calls as <tool_call> blocks,

@@ -8,7 +8,7 @@ tests cannot flake."""
 import torch
 
 from specstream.sampling import sample_from
-from specstream.verify import accept_by_match, accept_rejection_sampling, accepted_prefix
+from specstream.spec_decode.verify import accept_by_match, accept_rejection_sampling, accepted_prefix
 
 
 def within_bounds(samples: torch.Tensor, probs: torch.Tensor) -> None:

@@ -1,0 +1,167 @@
+"""What start-up measures on this machine, and where it is kept between starts.
+
+Three things are timed: the target's forward time by step size (a CostModel, which prices every
+draft), the kernel routes (kernels/routes.py: up to how many rows the packed kernel beats the
+dense GEMM, per weight shape), and a draft model's or draft head's step (measured each start:
+they take milliseconds). Each is measured on throwaway sequences whose KV is freed after.
+
+One key scheme (cache_file): a kept measurement is named by everything a timing depends on:
+the weights (only models held in specstream's own content-keyed cache qualify), dtype, device
+and processor, threads, torch, plus what the caller adds (kernels, step sizes, invariant mode).
+One rule for measuring again: a kept file is used while its key matches and it parses; the
+forward-time curve is also checked against a one-token step timed now (TOLERANCE), since it is
+the one kept figure that a busy spell during its measurement skews into wrong decisions (routes
+compare two kernels timed alike, so load skews both). Delete the directory to measure all again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from specstream.memory.kv import KVPool
+from specstream.model.loader import ModelSource, converted_source
+from specstream.cache import cache_dir, load_json, processor_name, save_json
+from specstream.model.runner import ForwardItem, ModelRunner
+
+log = logging.getLogger(__name__)
+
+# How far a one-token step timed at start may be from the kept curve's before it is measured again
+# (repeated timings of one step vary by about a tenth).
+TOLERANCE = 0.15
+# Cached tokens the forward-time curve is timed over.
+CONTEXT = 64
+_STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class CostModel:
+    """Piecewise-linear forward time (seconds) as a function of the step's token count."""
+
+    def __init__(self, tokens: list[int], seconds: list[float]) -> None:
+        self.tokens = list(tokens)
+        # A forward over more tokens never costs less; smooth out timing noise.
+        self.seconds = []
+        for s in seconds:
+            self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
+
+    def __call__(self, n: float) -> float:
+        t, s = self.tokens, self.seconds
+        if len(t) == 1:
+            return s[0] * max(n, 1) / t[0]
+        i = min(max(bisect.bisect_left(t, n), 1), len(t) - 1)
+        slope = (s[i] - s[i - 1]) / (t[i] - t[i - 1])
+        return max(s[i - 1] + slope * (n - t[i - 1]), 1e-9)
+
+    def save(self, path: Path) -> None:
+        save_json(path, {"tokens": self.tokens, "seconds": self.seconds})
+
+    @classmethod
+    def load(cls, path: Path) -> CostModel | None:
+        """A saved curve, or None when there is none or it is not one."""
+        data = load_json(path)
+        try:
+            tokens, seconds = [int(t) for t in data["tokens"]], [float(x) for x in data["seconds"]]
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not tokens or len(tokens) != len(seconds) or min(seconds) <= 0 or tokens != sorted(tokens):
+            return None
+        return cls(tokens, seconds)
+
+    @classmethod
+    def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> CostModel:
+        """Time run(n) (one forward over n tokens, or one step over n sequences) for each n; the fastest
+        of repeats, since timing noise (other processes, page faults) only ever adds time."""
+        run(sizes[0])  # warm-up
+        seconds = []
+        for n in sizes:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(n)
+                times.append(time.perf_counter() - start)
+            seconds.append(min(times))
+        return cls(sizes, seconds)
+
+
+# ------------------------------------------------------------------------ kept files
+def cache_file(kind: str, source: ModelSource, dtype: torch.dtype, device: torch.device, key: list) -> Path | None:
+    """Where a measurement of `kind` is kept: only for models that specstream holds in its own
+    content-keyed cache (the bundled model, any GGUF file), so the file names exactly these weights;
+    keyed by everything else a timing depends on, and by `key`."""
+    models = (cache_dir() / "models").resolve()
+    path = Path(converted_source(source).path).resolve()
+    if models not in path.parents:
+        return None
+    full = json.dumps(
+        [kind, path.name, str(dtype), str(device), processor_name(device), torch.get_num_threads(),
+         torch.__version__, *key]
+    )
+    return cache_dir() / "calibration" / f"{kind}-{hashlib.sha256(full.encode()).hexdigest()[:32]}.json"
+
+
+# ------------------------------------------------------------------------ timing
+@contextmanager
+def throwaway_tables(pool: KVPool, count: int, length: int) -> Iterator[list[list[int]]]:
+    """Up to count block tables of length positions each, freed on exit: timing never keeps KV."""
+    tables: list[list[int]] = []
+    try:
+        for _ in range(count):
+            table = pool.new_table()
+            if not pool.reserve(table, length):
+                pool.free(table)
+                break
+            tables.append(table)
+        yield tables
+    finally:
+        for table in tables:
+            pool.free(table)
+
+
+def plan(max_batched_tokens: int, capacity: int) -> tuple[list[int], int]:
+    """The step sizes the forward-time curve is timed at, and the context (cached tokens) they are
+    timed over, in a pool of `capacity` positions."""
+    top = max(max_batched_tokens, 1)
+    sizes = sorted({n for n in _STEP_SIZES if n <= top} | {min(top, 128)})
+    return sizes, min(CONTEXT, capacity - sizes[-1])
+
+
+def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:
+    """One sequence's steps of each size over `context` cached tokens, timed; None where the pool cannot
+    hold them."""
+    if context < 0:
+        return None
+    with throwaway_tables(runner.pool, 1, context + max(sizes)) as tables:
+        if not tables:
+            return None
+        table = tables[0]
+        if context:
+            runner.forward([ForwardItem(table, 0, [0] * context, 1)])
+        return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes, repeats)
+
+
+def forward_cost(runner: ModelRunner, max_batched_tokens: int, kept: Path | None = None) -> CostModel:
+    """The runner's forward time by step size. With a kept file, the curve an earlier start measured is
+    read from it once a one-token step timed now agrees with it (TOLERANCE); else it is measured, and
+    kept."""
+    sizes, context = plan(max_batched_tokens, runner.pool.capacity)
+    if (cost := CostModel.load(kept) if kept is not None else None) is not None:
+        now = time_steps(runner, [1], context, repeats=5)
+        if now is None or abs(now(1) / cost(1) - 1.0) <= TOLERANCE:
+            return cost
+        log.info(
+            "a one-token step takes %.2f ms now, %.2f ms in the kept forward-time curve: measuring it again",
+            1e3 * now(1),
+            1e3 * cost(1),
+        )
+    cost = time_steps(runner, sizes, context) or CostModel([1], [1.0])
+    if kept is not None:
+        cost.save(kept)
+    return cost

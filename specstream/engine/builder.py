@@ -1,0 +1,199 @@
+"""Building an engine: load the target, size its KV pool, make its runner (kernels routed, steps
+compiled), build the proposer by name, calibrate, and wire the scheduler and input processor.
+
+Everything here runs once, at start-up; Engine (engine.py) holds the parts and runs steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specstream import calibration
+from specstream.calibration import CostModel
+from specstream.config import EngineConfig
+from specstream.engine.processor import InputProcessor
+from specstream.engine.scheduler import Scheduler
+from specstream.kernels import quant, routes
+from specstream.memory.kv import KVPool
+from specstream.model import fast_llama
+from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
+from specstream.model.loader import (
+    ModelSource,
+    gguf_file,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+from specstream.model.runner import INVARIANT_TILE, ModelRunner, layer_windows
+from specstream.spec_decode.policy import KPolicy
+from specstream.spec_decode.proposer import Proposer, ProposerContext
+from specstream.spec_decode.registry import make_proposer
+from specstream.structured.decoding import StructuredDecoding
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What an Engine runs on, built once."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    model: Any
+    vocab_size: int
+    eos_token_ids: set[int]
+    pool: KVPool
+    max_model_len: int
+    runner: ModelRunner
+    proposer: Proposer
+    structured: StructuredDecoding
+    policy: KPolicy
+    scheduler: Scheduler
+    processor: InputProcessor
+    calibration_file: Path | None  # where the forward-time curve is kept between starts (None: not kept)
+
+
+class EngineBuilder:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+
+    def build(self, log: bool = True) -> EngineParts:
+        config, spec = self.config, self.config.speculative
+        start = time.perf_counter()
+        source = resolve_model(config.model)
+        tokenizer = load_tokenizer(source, chat_template=config.chat_template)
+        model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+        vocab_size = model.config.get_text_config().vocab_size
+        eos_token_ids = eos_ids(model, tokenizer)
+        kv_tokens = self.pool_tokens(model)
+        pool = KVPool(
+            *model_geometry(model.config),
+            kv_tokens,
+            config.kv_block_size,
+            self.dtype,
+            self.device,
+            windows=layer_windows(model),
+        )
+        # A sequence may take the pool's capacity, but at most its memory's worth (a pool whose every layer
+        # is windowed holds a sequence of any length). A proposer's own pool holds as many positions.
+        pool_positions = min(pool.capacity, kv_tokens)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or pool_positions
+        max_model_len = config.max_model_len or min(limit, pool.capacity)
+        if max_model_len > pool.capacity:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool ({pool.capacity} tokens)")
+        runner, weights = self.make_runner(model, pool, source)
+        forward = self.compile(runner)
+        ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions)
+        proposer = make_proposer(ctx)
+        # [structured] grammars, forced drafts, masks; a proposer's own logits are masked too
+        structured = StructuredDecoding(tokenizer, vocab_size, eos_token_ids, forced_drafts=spec.forced_drafts)
+        proposer.constrain(structured.mask_draft_logits)
+        kept = self.calibration_file(source, f"{weights}; {forward}", pool)
+        target_cost = self.calibrate(runner, proposer, kept)
+        k_max = spec.num_speculative_tokens if spec.enabled else 0
+        policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost)
+        processor = InputProcessor(
+            tokenizer=tokenizer,
+            output_tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            rng=random.Random(config.seed),
+            max_prompt_chars=config.max_prompt_chars,
+            allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+            structured=structured,
+        )
+        parts = EngineParts(
+            config, self.device, self.dtype, tokenizer, model, vocab_size, eos_token_ids, pool, max_model_len,
+            runner, proposer, structured, policy, Scheduler(config, pool, policy, proposer.release), processor, kept,
+        )
+        if log:
+            logger.info(
+                "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %s; weights %s; "
+                "forward %s; resident memory %.0f MiB",
+                time.perf_counter() - start, config.model, self.dtype, self.device, spec.method, k_max,
+                pool.describe(), weights, forward, quant.resident_bytes() / 2**20,
+            )
+        return parts
+
+    def pool_tokens(self, model) -> int:
+        """KV slots in the target's pool: kv_cache_tokens, else what kv_cache_bytes holds (no more than
+        every sequence at full context)."""
+        if self.config.kv_cache_tokens is not None:
+            return self.config.kv_cache_tokens
+        per_token = KVPool.bytes_per_token(*model_geometry(model.config), self.dtype)
+        tokens = self.config.kv_cache_bytes // per_token
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if limit:
+            tokens = min(tokens, limit * self.config.max_num_seqs)
+        return max(tokens, self.config.kv_block_size)
+
+    def make_runner(self, model, pool: KVPool, source: ModelSource) -> tuple[ModelRunner, str]:
+        """The target's runner with its projections held as config.quantization says (kernels/), and
+        a line for the log."""
+        mode = self.config.quantization
+        tile = INVARIANT_TILE if self.config.deterministic else 0
+        if not fast_llama.supports(model):
+            if mode in ("int4", "int8"):
+                raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
+            return ModelRunner(model, pool, tile=tile), "dense"
+        factory = quant.make_factory(mode, model, gguf_file(source), self.dtype, self.device)
+        if factory is None:
+            return ModelRunner(model, pool, tile=tile), "dense"
+        runner = ModelRunner(model, pool, linear=factory, tile=tile)
+        # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
+        routes_file = calibration.cache_file(
+            "routes", source, self.dtype, self.device, [mode, self.config.max_num_batched_tokens, factory.kernel_kinds]
+        )
+        choices = routes.settle(
+            factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file
+        )
+        return runner, routes.describe(factory, choices)
+
+    def compile(self, runner: ModelRunner) -> str:
+        """The forward's compiled steps (runner.compile), after the kernel routes are settled; a line
+        for the log."""
+        if not self.config.compile:
+            return "eager"
+        if self.config.deterministic:
+            return "eager (invariant mode)"
+        return runner.compile()
+
+    def calibration_file(self, source: ModelSource, weights: str, pool: KVPool) -> Path | None:
+        """Where the target's forward-time curve is kept between starts, keyed by the weight kernels,
+        invariant mode and the step sizes timed besides calibration.cache_file's own key."""
+        plan = calibration.plan(self.config.max_num_batched_tokens, pool.capacity)
+        return calibration.cache_file(
+            "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan]
+        )
+
+    def calibrate(self, runner: ModelRunner, proposer: Proposer, kept: Path | None) -> CostModel | None:
+        """The target's forward-time curve, and the proposer's own costs measured against it; None where
+        k is not adaptive (no draft is priced)."""
+        spec = self.config.speculative
+        if not (spec.enabled and spec.adaptive):
+            return None
+        target_cost = calibration.forward_cost(runner, self.config.max_num_batched_tokens, kept)
+        proposer.calibrate(target_cost, self.config.max_num_batched_tokens)
+        return target_cost
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

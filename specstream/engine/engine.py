@@ -1,0 +1,381 @@
+"""Engine: the synchronous, in-process entry point.
+
+It holds the models, the KV pools, the proposer, the k policy, the scheduler and the input
+processor (built by builder.py). ``step()`` runs one speculative round over every running sequence: schedule,
+propose, one packed target forward, verify, update. ``generate()`` loops steps until its
+requests finish.
+
+Failures (docs/ARCHITECTURE.md, the fault model): a request with bad parameters never gets here (the input
+processor refuses it); an exception while proposing for or verifying one request fails that
+request alone (the batch is retried one sequence at a time) and the step goes on; an
+exception in the target's forward escapes step(), since the batch cannot go on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+from specstream.config import EngineConfig
+from specstream.engine.builder import EngineBuilder
+from specstream.engine.metrics import EngineMetrics
+from specstream.engine.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
+from specstream.engine.processor import ChatPrompt
+from specstream.engine.scheduler import StepPlan
+from specstream.sequence import Sequence
+from specstream.errors import InvalidRequestError
+from specstream.model.runner import ForwardItem
+from specstream.sampling import SamplingParams
+from specstream.spec_decode.policy import record_round
+from specstream.spec_decode.proposer import Draft
+from specstream.spec_decode.verify import Round, RoundResult, verify_round
+from specstream.structured.decoding import proposer_share
+
+logger = logging.getLogger(__name__)
+
+
+def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """Logprobs of the emitted tokens from the verification logits (row i predicts token i)."""
+    if not token_ids:
+        return []
+    logp = rows[: len(token_ids)].float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device)[:, None]).squeeze(1).tolist()
+    if top:
+        values, indices = logp.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
+
+
+def _usage(seq: Sequence) -> Usage:
+    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0)
+
+
+def _cut(draft: Draft, k: int) -> Draft:
+    return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.method)
+
+
+class Engine:
+    """The step loop over parts that builder.EngineBuilder makes from an EngineConfig."""
+
+    def __init__(self, config: EngineConfig | None = None, *, log: bool = True) -> None:
+        parts = EngineBuilder(config or EngineConfig()).build(log=log)
+        self.config = parts.config
+        self.device, self.dtype = parts.device, parts.dtype
+        self.tokenizer, self.model = parts.tokenizer, parts.model
+        self.vocab_size, self.eos_token_ids = parts.vocab_size, parts.eos_token_ids
+        self.pool, self.max_model_len = parts.pool, parts.max_model_len
+        self.runner, self.proposer, self.structured = parts.runner, parts.proposer, parts.structured
+        self.policy, self.scheduler, self.processor = parts.policy, parts.scheduler, parts.processor
+        self.calibration_file = parts.calibration_file
+        self._requests: dict[str, Sequence] = {}
+        self.metrics = EngineMetrics()
+
+    # ---------------------------------------------------------------------- requests
+    def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
+        """Validate and tokenize a request into a Sequence, without touching engine state
+        (InvalidRequestError when it is refused); submit() then queues it."""
+        return self.processor.process(prompt, params, request_id or uuid.uuid4().hex)
+
+    def submit(self, seq: Sequence) -> str:
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        self._update_gauges()
+        return seq.request_id
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        return self.submit(self.prepare(prompt, params, request_id))
+
+    def abort(self, request_id: str) -> StreamChunk | None:
+        """Stop a request now and free its KV. Returns its last chunk (finish_reason
+        "abort", with usage), or None when the request is not in the engine."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        self._finish(seq)
+        self._update_gauges()
+        return StreamChunk(request_id, seq.detokenizer.take(final=True), [], 0, 0, "abort", _usage(seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -------------------------------------------------------------------------- step
+    def step(self) -> list[StreamChunk]:
+        """One round over every running sequence: schedule, propose, forward, verify, update.
+        Returns a chunk per sequence that gained tokens or failed."""
+        plan = self._schedule()
+        if plan.empty:
+            self._update_gauges()
+            return []
+        decodes, drafts, outputs = self._propose(plan)
+        completing = [seq for seq, n in plan.prefills if seq.num_cached + n == len(seq.token_ids)]
+        items = self._pack(decodes, drafts, plan.prefills)
+        aux_layers = self.proposer.aux_layers
+        logits, aux = self.runner.forward(items, aux_layers) if aux_layers else (self.runner.forward(items), None)
+        for seq, n in plan.prefills:
+            seq.num_cached += n
+        rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
+        results = self._verify(rounds)
+        if aux is not None:
+            self._hand_features(decodes, plan.prefills, items, results, aux)
+        for i, (rnd, result) in enumerate(zip(rounds, results)):
+            outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
+        self._update_gauges()
+        return outputs
+
+    def _schedule(self) -> StepPlan:
+        preempted = self.scheduler.num_preemptions
+        plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        return plan
+
+    def _hand_features(
+        self,
+        decodes: list[Sequence],
+        prefills: list[tuple[Sequence, int]],
+        items: list[ForwardItem],
+        results: list[RoundResult | Exception],
+        aux: torch.Tensor,
+    ) -> None:
+        """Give the proposer the target's aux hidden states of the rows that are now final:
+        each decoder's last token and accepted drafts, and every prefill chunk. A round that
+        failed hands nothing (its sequence is finished with an error)."""
+        rows = aux.split([len(item.tokens) for item in items])
+        for i, seq in enumerate(decodes):
+            if not isinstance(results[i], Exception):
+                self._observe(seq, items[i].start, rows[i][: 1 + results[i].num_accepted])
+        for j, (seq, _) in enumerate(prefills, start=len(decodes)):
+            self._observe(seq, items[j].start, rows[j])
+
+    def _observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        try:
+            self.proposer.observe(seq, start, features)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: drop its state, keep the request
+            logger.warning(
+                "proposer state of %s dropped; it restarts from the next features", seq.request_id, exc_info=True
+            )
+            self.proposer.release(seq)
+
+    def _propose(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        """Drafts for the decoding sequences, each cut to its k: (the sequences still
+        decoding, their drafts, the chunks of those that failed)."""
+        self.proposer.prefill(plan.prefills)
+        decodes, drafts, failed = self._draft(plan)
+        # [structured] grammar-forced tokens lead constrained drafts; drafts cut to what the grammar accepts
+        kept = {id(s) for s in decodes}
+        ks = [k for s, k in zip(plan.decodes, plan.ks) if id(s) in kept]
+        drafts = self.structured.drafts(
+            decodes, ks, drafts, self.proposer.lookup, self._reserve_drafts, self._spare_tokens(plan)
+        )
+        return decodes, drafts, failed
+
+    def _draft(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        if not any(plan.ks):
+            return plan.decodes, [Draft([]) for _ in plan.decodes], []
+        try:
+            drafts = self.proposer.propose(plan.decodes, plan.ks)
+        except Exception:  # noqa: BLE001 - find the sequence it belongs to
+            return self._propose_one_by_one(plan.decodes, plan.ks)
+        return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
+
+    # [structured] what forced drafts beyond k need: KV room and the step's spare token budget
+    def _reserve_drafts(self, seq: Sequence, n: int) -> bool:
+        return self.pool.reserve(seq.block_table, len(seq.token_ids) + n, seq.num_cached)
+
+    def _spare_tokens(self, plan: StepPlan) -> int:
+        used = sum(1 + k for k in plan.ks) + sum(n for _, n in plan.prefills)
+        return max(self.config.max_num_batched_tokens - used, 0)
+
+    def _propose_one_by_one(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        # The failed pass may have left the proposer's state half-advanced: start it afresh.
+        for seq in seqs:
+            self.proposer.release(seq)
+        decodes, drafts, failed = [], [], []
+        for seq, k in zip(seqs, ks):
+            try:
+                draft = self.proposer.propose([seq], [k])[0] if k else Draft([])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed.append(self._fail(seq, exc))
+                continue
+            decodes.append(seq)
+            drafts.append(_cut(draft, k))
+        return decodes, drafts, failed
+
+    @staticmethod
+    def _pack(decodes: list[Sequence], drafts: list[Draft], prefills: list[tuple[Sequence, int]]) -> list[ForwardItem]:
+        """The step's one target forward: each decoding sequence's last token and drafts
+        (logits for all of them), then each prefill chunk (logits for its last token only
+        when the chunk completes the prompt)."""
+        items = [
+            ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens))
+            for s, d in zip(decodes, drafts)
+        ]
+        for seq, n in prefills:
+            start, end = seq.num_cached, seq.num_cached + n
+            items.append(ForwardItem(seq.block_table, start, seq.token_ids[start:end], int(end == len(seq.token_ids))))
+        return items
+
+    @staticmethod
+    def _rounds(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> list[Round]:
+        """Split the forward's logits by sequence, in the order _pack laid them out."""
+        rows = logits.split([1 + len(d.tokens) for d in drafts])
+        return [Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)]
+
+    def _verify(self, rounds: list[Round]) -> list[RoundResult | Exception]:
+        """Grammar masks and logit bias on every verified row (logprobs keep the unmasked
+        rows), then verify_round over the batch; when either fails, round by round, so that
+        a failure stays with the sequence it belongs to."""
+        try:
+            return verify_round(self.structured.mask_rounds(rounds))
+        except Exception:  # noqa: BLE001 - find the round it belongs to
+            results: list[RoundResult | Exception] = []
+            for rnd in rounds:
+                try:
+                    results.append(verify_round(self.structured.mask_rounds([rnd]))[0])
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    results.append(exc)
+            return results
+
+    def _update(self, rnd: Round, result: RoundResult | Exception, decoding: bool) -> StreamChunk:
+        if isinstance(result, Exception):
+            return self._fail(rnd.seq, result)
+        try:
+            return self._commit(rnd, result, decoding)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            return self._fail(rnd.seq, exc)
+
+    def _commit(self, rnd: Round, result: RoundResult, decoding: bool) -> StreamChunk:
+        seq = rnd.seq
+        if decoding:
+            # The last token and the accepted drafts now have KV; the rejected ones' slots
+            # are simply past the length.
+            seq.num_cached += 1 + result.num_accepted
+        tokens = self.structured.commit(seq, result.tokens)  # [structured] a refused token fails this request alone
+        new = self._append(seq, tokens)
+        self.structured.finish_if_complete(seq)  # [structured] "stop" once the grammar is complete
+        # Accepted drafts cut off by a stop or the length limit were never emitted.
+        accepted = min(result.num_accepted, len(new))
+        forced = rnd.draft.num_forced
+        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced)
+        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits, forced)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        else:
+            self.proposer.on_commit(seq)
+            self.pool.trim(seq.block_table, len(seq.token_ids))
+        return chunk
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens to seq up to the one that finishes it (EOS, a stop token or string,
+        the length limit), setting its finish_reason; return the tokens appended."""
+        params = seq.params
+        for n, tok in enumerate(tokens, 1):
+            seq.token_ids.append(tok)
+            if tok in self.eos_token_ids and not params.ignore_eos or tok in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.detokenizer.add(tok):
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                return tokens[:n]
+        return list(tokens)
+
+    def _record(
+        self,
+        seq: Sequence,
+        num_drafted: int,
+        num_accepted: int,
+        num_emitted: int,
+        decoding: bool,
+        method: str,
+        num_forced: int = 0,
+    ) -> None:
+        seq.stats.record(num_drafted, num_accepted, num_forced)
+        if decoding:  # [structured] the k policy learns from the proposer's own drafts only
+            record_round(seq, *proposer_share(num_drafted, num_accepted, num_forced))
+        self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced)
+
+    @staticmethod
+    def _chunk(
+        seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor, num_forced: int = 0
+    ) -> StreamChunk:
+        finished = seq.finish_reason is not None
+        top = seq.params.logprobs
+        return StreamChunk(
+            request_id=seq.request_id,
+            text=seq.detokenizer.take(final=finished),
+            token_ids=new,
+            num_drafted=num_drafted,
+            num_accepted=num_accepted,
+            num_forced=num_forced,
+            finish_reason=seq.finish_reason,
+            usage=_usage(seq) if finished else None,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
+            logprobs=token_logprobs(logits, new, top) if top is not None else None,
+        )
+
+    def _finish(self, seq: Sequence) -> None:
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        self.metrics.finished.labels(finished_reason=seq.finish_reason).inc()
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StreamChunk:
+        logger.error("request %s failed while generating; the others go on", seq.request_id, exc_info=exc)
+        usage = _usage(seq)
+        seq.finish_reason = "error"
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        else:
+            self._finish(seq)
+        error = f"an internal error ({type(exc).__name__}) stopped this request; the engine's log has the details"
+        return StreamChunk(seq.request_id, "", [], 0, 0, "error", usage, error=error)
+
+    def _update_gauges(self) -> None:
+        self.metrics.num_running.set(len(self.scheduler.running))
+        self.metrics.num_waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_usage.set(self.pool.usage)
+        self.metrics.observe_prefix_cache(self.scheduler.prefix_cache)
+
+    # ---------------------------------------------------------------------- generate
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion. prompts: one prompt or a list (strings, token-id
+        lists, chat message lists, ChatPrompts); params: one for all or one per prompt."""
+        if isinstance(prompts, (str, ChatPrompt)) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        seqs = [self._requests[i] for i in ids]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return [
+            RequestOutput(
+                s.request_id,
+                s.token_ids[: s.num_prompt_tokens],
+                s.detokenizer.text,
+                s.output_ids,
+                s.finish_reason,
+                s.stats,
+                num_cached_tokens=s.prefix.hit_tokens or 0,
+            )
+            for s in seqs
+        ]

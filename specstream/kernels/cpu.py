@@ -1,0 +1,144 @@
+"""specstream's own C++ kernels for CPU steps (csrc/), built on first use and kept in the cache.
+
+- `short_attention`: a short step's attention (decode, verification) read straight from the paged KV
+  pool. torch has no kernel for it: the torch version (attention.attend_short) gathers the keys into new
+  tensors and runs two batched matmuls, whose fixed cost dominates at a few query rows
+  (benchmarks/cpu_kernels.py compares them).
+- `q8_linear`: a projection with 8-bit weights and a scale per block of 32 (GGUF Q8_0, weights.py's
+  Int8Blocks), which torch's kernels take only as two 4-bit planes.
+- `q4_linear`: a projection with 4-bit blocks (GGUF Q4_0/Q4_1) in quant.PackedQ4's layout.
+
+The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
+machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
+the source, torch's version, the flags and the CPU. A build takes seconds, once per machine; loading a
+built one takes milliseconds. Where building fails (no compiler, say) `load()` says so once in the log
+and returns False, and callers keep the torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specstream.cache import cache_dir
+
+log = logging.getLogger("specstream.kernels.cpu")
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
+
+_lib = torch.library.Library("specstream", "DEF")
+_lib.define(
+    "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "
+    "Tensor out_index, float scaling) -> Tensor"
+)
+_lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
+
+
+@torch.library.register_fake("specstream::short_attention")
+def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_index, scaling):
+    return query.new_empty((out_index.shape[0], query.shape[1], query.shape[2]))
+
+
+@torch.library.register_fake("specstream::q8_linear")
+def _q8_linear_shape(x, codes, scales):
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
+@torch.library.register_fake("specstream::q4_linear")
+def _q4_linear_shape(x, codes, scales, mins):
+    return x.new_empty((x.shape[0], codes.shape[0] * codes.shape[2]))  # codes: [N / 16, K / 2, 16]
+
+
+_loaded: bool | None = None  # None: not tried yet
+
+
+def fits_head(head_dim: int) -> bool:
+    """Whether short_attention takes this head dimension (a multiple of 32 up to 256)."""
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; whether they are available."""
+    global _loaded
+    if _loaded is None:
+        try:
+            torch.ops.load_library(str(_build()))
+            _loaded = True
+        except Exception as exc:  # noqa: BLE001 - the torch versions of the kernels serve instead
+            log.warning("specstream's CPU kernels are unavailable, torch's ops serve instead: %s: %s", type(exc).__name__, exc)
+            _loaded = False
+    return _loaded
+
+
+def _command(source: list[Path]) -> list[str]:
+    """The compiler's command line, less its output file."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch.utils import cpp_extension
+
+    isa = pick_vec_isa()
+    lib = Path(torch.__file__).parent / "lib"
+    return [
+        os.environ.get("CXX", "g++"),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        *(isa.build_arch_flags().split() if isa else []),
+        *(["-mf16c"] if isa else []),  # float16 scales in hardware: every CPU with AVX2 or AVX-512 has F16C
+        # bfloat16 pair products (q4_linear's bfloat16 path) where this CPU has them; the key covers the CPU
+        *(["-mavx512bf16"] if isa and "avx512" in str(isa) and "avx512_bf16" in _cpu_flags().split() else []),
+        *(f"-D{macro}" for macro in (isa.build_macro() if isa else [])),
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        *(str(s) for s in source),
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> Path:
+    """The built library's path, building it first where the cache has none for this key."""
+    command = _command(SOURCES)
+    h = hashlib.sha256(repr((torch.__version__, sys.platform, command, _cpu_flags())).encode())
+    for source in (*SOURCES, *HEADERS):
+        h.update(source.read_bytes())
+    directory = cache_dir() / "kernels" / h.hexdigest()[:20]
+    target = directory / "specstream_kernels.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built specstream's CPU kernels into %s", directory)
+    return target

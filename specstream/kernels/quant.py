@@ -1,0 +1,319 @@
+"""Quantized projections for the lean forward: each held in up to two forms, and the kernel for a call's
+row count.
+
+A projection (y = x @ W^T) is held as packed low-bit weights, read by a weight-only kernel, and/or a dense
+copy in the activation dtype. Few rows per call (decoding, a short verification) are bound by reading the
+weights, so the packed kernel wins; many rows (prefill, big batches) are bound by arithmetic, where the
+dense GEMM wins. Which kernel serves how many rows is measured at start-up for each weight shape
+(routes.py), and the dense copy is kept only where it pays and fits in memory.
+
+Modes: "none" serves the dense weights as loaded; "int4" holds every projection as groupwise 4-bit
+weights (group 32); "int8" as per-output-channel 8-bit weights; "auto" holds as int4 exactly the
+projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
+dense, so the weights served are the source's own.
+
+On CPU, where specstream's own kernels build (cpu.py), they serve the blocks instead, with the file's
+weights exactly: 4-bit blocks by q4_linear (PackedQ4), 8-bit blocks (GGUF Q8_0: int8 codes, a scale per
+32) by q8_linear, one read of the file's bytes. Elsewhere (CUDA, no compiler) torch's int4 kernel serves
+both, 8-bit blocks as two 4-bit planes (Int8Blocks.planes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specstream.config import QUANTIZATION_MODES
+from specstream.kernels.weights import GROUP, Int4Weights, Int8Blocks, SourceWeights, source_int4_weights
+
+
+# A projection's kernel as plain data, (kind, *tensors): what project() runs, and what a compiled forward
+# takes as an argument (model/fast_llama.py), so one traced graph serves every layer.
+Kernel = tuple
+
+
+def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W held as kernel says: "dense" (weight), "int4" (torch's packed int4 layout and
+    the scale/zero pairs), "int4x2" (two such planes, summed: 8-bit blocks), "q4" (4-bit blocks in
+    PackedQ4's layout) and "q8" (8-bit blocks: codes and a float32 scale per 32), specstream's kernels,
+    "int8" (codes and per-channel scales)."""
+    kind, a, b, *planes = kernel
+    if kind == "dense":
+        return F.linear(x, a)
+    if kind == "q8":
+        return torch.ops.specstream.q8_linear(x, a, b)
+    if kind == "q4":
+        return torch.ops.specstream.q4_linear(x, a, b, planes[0])
+    if kind == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x, a, b)
+    y = _int4_mm(x, a, b)
+    if kind == "int4x2":
+        y = y + _int4_mm(x, *planes)
+    return y
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scale_zeros)
+
+
+class PackedInt4:
+    """Int4 weights in the layout of torch's int4 weight-only kernel for their device: one plane, or the
+    two planes of 8-bit blocks (Int8Blocks), whose products add up."""
+
+    bits = 4
+
+    def __init__(self, weights: Int4Weights | list[Int4Weights], dtype: torch.dtype, device: torch.device) -> None:
+        planes = weights if isinstance(weights, list) else [weights]
+        packed = [self._pack(p, dtype, device) for p in planes]
+        self.kernel: Kernel = ("int4" if len(packed) == 1 else "int4x2", *(t for plane in packed for t in plane))
+        self.nbytes = sum(t.nbytes for plane in packed for t in plane)
+        self.shape = tuple(planes[0].codes.shape)
+
+    @staticmethod
+    def _pack(weights: Int4Weights, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = weights.codes.to(device)
+        zeros = weights.mins + 8 * weights.scales
+        # [K // 32, N, 2]: scale and zero of each group and output, in the activation dtype.
+        scale_zeros = torch.stack([weights.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous().to(device)
+        if device.type == "cpu":
+            return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1), scale_zeros
+        # CUDA tinygemm (untested here: no GPU on the development machine)
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+        inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles), scale_zeros
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
+def _effective_int4(weights: Int4Weights | list[Int4Weights], dtype: torch.dtype) -> torch.Tensor:
+    """float32 [N, K]: the weights the int4 kernel multiplies by, (c - 8) * scale + zero, with scale and
+    zero as stored in `dtype` (summed over the planes of 8-bit blocks)."""
+    if isinstance(weights, list):
+        return sum(_effective_int4(p, dtype) for p in weights)
+    scales = weights.scales.to(dtype).float()
+    zeros = (weights.mins + 8 * weights.scales).to(dtype).float()
+    codes = weights.codes.float() - 8
+    # Scales come from float16 (GGUF's, or Int4Weights.quantize's), so (c - 8) * scale is exact in float32
+    # and this rounds once, as the kernel's fused multiply-add does.
+    return codes * scales.repeat_interleave(GROUP, 1) + zeros.repeat_interleave(GROUP, 1)
+
+
+class PackedQ4:
+    """4-bit block weights (Int4Weights) for specstream's CPU kernel (cpu_kernels.q4_linear), in its layout:
+    tiles of 16 outputs, two inputs' codes per byte, float16 d and m. The weights it multiplies are
+    d * c + m in float32, the file's exactly (torch's int4 kernel rounds d and m to bf16 in a bf16 model).
+    `fits` says whether a weight can take it: 16 | N, and d and m exact in float16 (a GGUF file's are)."""
+
+    bits = 4
+
+    def __init__(self, weights: Int4Weights, device: torch.device) -> None:
+        n, k = weights.codes.shape
+        c = weights.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+        self.codes = (c[..., 0] | c[..., 1] << 4).contiguous().to(device)
+        self.scales, self.mins = (
+            t.view(n // 16, 16, k // GROUP).permute(0, 2, 1).half().contiguous().to(device) for t in (weights.scales, weights.mins)
+        )
+        self.shape = (n, k)
+        self.kernel: Kernel = ("q4", self.codes, self.scales, self.mins)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    @staticmethod
+    def fits(weights: Int4Weights) -> bool:
+        n, k = weights.codes.shape
+        exact = all(torch.equal(t.half().float(), t) for t in (weights.scales, weights.mins))
+        return n % 16 == 0 and k % GROUP == 0 and exact
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
+class PackedInt8Blocks:
+    """8-bit block weights (Int8Blocks) as stored, for specstream's CPU kernel (cpu_kernels.q8_linear)."""
+
+    bits = 8
+
+    def __init__(self, weights: Int8Blocks, device: torch.device) -> None:
+        self.codes = weights.codes.to(torch.int8).contiguous().to(device)
+        self.scales = weights.scales.float().contiguous().to(device)
+        self.shape = tuple(self.codes.shape)
+        self.kernel: Kernel = ("q8", self.codes, self.scales)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
+class PackedInt8:
+    """Per-output-channel symmetric int8 weights for torch's int8 weight-only kernel."""
+
+    bits = 8
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        w = weight.float()
+        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        self.codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).to(device)
+        self.scales = scales.to(dtype).to(device)
+        self.shape = tuple(weight.shape)
+        self.kernel: Kernel = ("int8", self.codes, self.scales)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
+class Linear:
+    """One projection: the packed kernel for calls of at most max_packed_rows rows, the dense copy above."""
+
+    def __init__(
+        self,
+        names: list[str],
+        dense: torch.Tensor | None,
+        packed: PackedInt4 | PackedQ4 | PackedInt8 | PackedInt8Blocks | None = None,
+    ) -> None:
+        self.names = names  # the model parameters this projection serves, fused along N in this order
+        self.dense = dense
+        self.packed = packed
+        self.max_packed_rows = 0 if packed is None else 1 << 30
+
+    def kernel_for(self, rows: int) -> Kernel:
+        """The kernel serving a call of this many rows."""
+        if self.packed is not None and rows <= self.max_packed_rows:
+            return self.packed.kernel
+        return ("dense", self.dense, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel_for(x.shape[0]), x)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape if self.packed is not None else tuple(self.dense.shape)
+
+    def nbytes(self) -> int:
+        return (0 if self.dense is None else self.dense.nbytes) + (0 if self.packed is None else self.packed.nbytes)
+
+
+class LinearFactory:
+    """Builds the lean forward's projections for one quantization mode (FastLlama's `linear` argument).
+
+    `source_int4` maps parameter names to the source's own low-bit weights (from its GGUF file: 4-bit
+    blocks, and 8-bit blocks served as two 4-bit planes)."""
+
+    def __init__(
+        self,
+        mode: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        source_int4: dict[str, SourceWeights] | None = None,
+        shared: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        if mode not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+        self.mode = mode
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.source_int4 = source_int4 or {}
+        # Tensors that must keep their values (a tied input embedding): a projection sharing their storage
+        # gets its own dense copy before quantization rewrites it.
+        self._shared = {t.untyped_storage().data_ptr() for t in shared}
+        self.built: list[Linear] = []
+
+    def __call__(self, names: list[str], weight: torch.Tensor) -> Linear:
+        """A projection for `weight` (dense, [N, K]; several parameters fused along N, named in order).
+        The dense tensor is overwritten with what the packed kernel computes, so both kernels (and the
+        model's own modules, which share it) serve one weight."""
+        linear = self._build(names, weight)
+        self.built.append(linear)
+        return linear
+
+    def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
+        source = [self.source_int4.get(n) for n in names]
+        q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
+        int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)
+        groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
+        if q8:
+            packed = PackedInt8Blocks(source[0], self.device)
+            effective = source[0].dequantize()
+        elif self.mode == "int4" and groupable or self.mode == "auto" and int4 is not None:
+            int4 = int4 or Int4Weights.quantize(weight)
+            if isinstance(int4, Int4Weights) and PackedQ4.fits(int4) and self._cpu_kernels():
+                packed, effective = PackedQ4(int4, self.device), int4.dequantize()
+            else:
+                packed, effective = PackedInt4(int4, self.dtype, self.device), _effective_int4(int4, self.dtype)
+        elif self.mode == "int8":
+            packed = PackedInt8(weight, self.dtype, self.device)
+            effective = packed.codes.float() * packed.scales.float()[:, None]
+        else:
+            return Linear(names, weight)
+        if weight.untyped_storage().data_ptr() in self._shared:
+            weight = torch.empty_like(weight)
+        weight.copy_(effective)
+        return Linear(names, weight, packed)
+
+    def _cpu_kernels(self) -> bool:
+        """Whether specstream's block kernels serve here (CPU, and they built)."""
+        from specstream.kernels import cpu as cpu_kernels
+
+        return self.device.type == "cpu" and cpu_kernels.load()
+
+    def release_unused(self, model: torch.nn.Module) -> None:
+        """Free the model's dense parameters behind projections that no longer keep a dense copy."""
+        for lin in self.built:
+            if lin.dense is not None:
+                continue
+            for name in lin.names:
+                param = model.get_parameter(name)
+                if param.untyped_storage().data_ptr() not in self._shared:
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    @property
+    def quantized(self) -> list[Linear]:
+        return [lin for lin in self.built if lin.packed is not None]
+
+    @property
+    def kernel_kinds(self) -> list[str]:
+        """The packed kernels serving (quant.project's kinds): start-up timings depend on them."""
+        return sorted({lin.packed.kernel[0] for lin in self.quantized})
+
+
+def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
+    """The int4 form of the source weights of one projection (several parameters fused along N): one
+    plane for 4-bit blocks, two for one 8-bit tensor; None where a part has no source blocks, or mixes
+    4- and 8-bit ones."""
+    if not source or any(s is None for s in source):
+        return None
+    if all(isinstance(s, Int4Weights) for s in source):
+        return Int4Weights.cat(source)
+    if len(source) == 1:
+        return source[0].planes()
+    return None
+
+
+def make_factory(
+    mode: str, model, gguf_path: str | Path | None, dtype: torch.dtype, device: torch.device
+) -> LinearFactory | None:
+    """The projections' factory for a model loaded from a GGUF file at gguf_path (or None), or None
+    when every projection stays dense as loaded ("none", or "auto" with no 4-bit weights in the source)."""
+    if mode == "none":
+        return None
+    if mode == "auto" and device.type != "cpu":
+        return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
+    text = model.config.get_text_config()
+    source = source_int4_weights(gguf_path, text) if gguf_path and mode in ("auto", "int4") else {}
+    if mode == "auto" and not source:
+        return None
+    return LinearFactory(mode, dtype, device, source, shared=(model.get_input_embeddings().weight,))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,257 @@
+"""One packed forward over many sequences.
+
+Each sequence contributes its own number of new tokens (a prefill chunk, or its last token
+plus its drafts). The tokens are concatenated into one [1, T] batch, nothing is padded, and
+each sequence attends only to its own prefix in the KV pool (see attention.py).
+
+Invariant mode (EngineConfig.deterministic): a kernel may pick its blocking, and so the order
+in which it sums, from the shape of its inputs (on this CPU a bf16 matmul over 1536 inputs
+rounds differently from 19 rows on; fp32 ones differ from 2 rows on). A token's logits then
+depend on how many other rows its step held: its drafts, its neighbours in the batch. With a
+tile, every row-wise op (norms, projections, rotary, MLP, LM head) runs on fixed tiles of
+`tile` rows, padded, and attention runs per tile of `tile` query rows of one sequence, always
+masked, over keys padded with masked columns (which add exact zeros) to a multiple of 64. Every kernel then
+sees one shape, and a token's numbers are the same whether it was computed alone, as one of
+k + 1 verified tokens, in a prefill chunk or beside other sequences. The price is the padding
+(a one-row decode step computes `tile` rows) and a loop over tiles for long prefills.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specstream.model import fast_llama
+from specstream.model.architectures import check_architecture
+from specstream.model.attention import AttentionGroup, StepContext, model_geometry, step_context
+from specstream.model.fast_llama import FastLlama, dense_linear
+from specstream.memory.kv import KVPool
+from specstream.model.loader import ModelError
+from specstream.cache import cache_dir
+
+log = logging.getLogger("specstream.model.runner")
+
+
+# Rows per tile in invariant mode: one tile holds a verification step (k + 1 <= 16 by
+# default) so speculation costs no second tile; see the README for the measured price.
+INVARIANT_TILE = 16
+_KEY_BLOCK = 64
+# Query runs up to this long (decode, verification) attend in one group, longer ones (prefill
+# chunks) in another.
+_SHORT_RUN = 16
+
+
+@dataclass
+class ForwardItem:
+    table: list[int]  # the sequence's block table (already reserved for start + len(tokens))
+    start: int  # positions already in the cache
+    tokens: list[int]  # new tokens, fed at positions start, start + 1, ...
+    num_logits: int  # logits wanted for the last num_logits new tokens
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, fast: bool = True, linear=dense_linear, tile: int = 0) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.tile = tile
+        check_architecture(model)
+        # Llama-architecture models take the lean forward (with its projections made by `linear`, see
+        # kernels/quant.py); others run transformers' modules.
+        self.fast = FastLlama(model, linear, tile) if fast and fast_llama.supports(model) else None
+        if self.fast is None:
+            if tile:
+                raise ModelError(
+                    f"deterministic (batch-invariant) mode needs the lean Llama forward; "
+                    f"{type(model).__name__} runs through transformers' modules, which it cannot tile"
+                )
+            self._probe()
+
+    def _probe(self) -> None:
+        """One tiny forward at load time, so a model whose attention asks for something the
+        packed attention does not implement is refused now (UnsupportedAttentionError, a
+        ModelError), not while serving."""
+        table = self.pool.new_table()
+        if not self.pool.reserve(table, 2):
+            return
+        try:
+            self.forward([ForwardItem(table, 0, [0, 0], 1)])
+        finally:
+            self.pool.free(table)
+
+    def compile(self, layers_per_graph: int = 1, whole_steps: bool = True) -> str:
+        """Compile the lean forward's short steps (FastLlama.compile, which takes the arguments) and trace their graphs now, on
+        scratch blocks of the pool, so no request waits for a compile. Inductor keeps the compiled
+        code under the specstream cache (inductor/), so only the first start on a machine pays for
+        it. Where compiling fails (no C++ compiler, say), the forward stays eager and the log says why.
+        Returns what the forward runs, for the start-up log (and the calibration cache's key)."""
+        if self.fast is None:
+            return "eager (transformers modules)"
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        start = time.perf_counter()
+        tables = [self.pool.new_table(), self.pool.new_table()]
+        try:
+            self.fast.compile(layers_per_graph, whole_steps)
+            self.fast.kept_dir = cache_dir() / "compiled"
+            rows = self.fast.compiled_rows
+            if not rows:
+                return "eager (no step shape to compile)"
+            if not all(self.pool.reserve(t, 40) for t in tables):
+                raise RuntimeError("the KV pool has no room for the warm-up steps")
+            # One step per graph a short step needs: sizes of 1 are specialized, so a lone decode step,
+            # one sequence's verification, a batch of decode steps and a batch of verifications differ.
+            # Sizes are distinct (rows, sequences, query run, context) so none is traced as equal to another.
+            a, b = tables
+            steps = [
+                [ForwardItem(a, 37, [0], 1)],
+                [ForwardItem(a, 37, [0] * 3, 3)],
+                [ForwardItem(a, 37, [0], 1), ForwardItem(b, 29, [0], 1)],
+                [ForwardItem(a, 37, [0] * 3, 3), ForwardItem(b, 29, [0] * 2, 2)],
+            ]
+            steps = [s for s in steps if sum(len(i.tokens) for i in s) <= rows]
+            self.fast.warm_up(lambda: [self.forward(s) for s in steps])
+        except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the eager forward serving
+            self.fast.decompile()
+            log.warning("compiling the forward failed, serving eager: %s: %s", type(exc).__name__, exc)
+            return f"eager (compile failed: {type(exc).__name__})"
+        finally:
+            for t in tables:
+                self.pool.free(t)
+        kept = self.fast.kept_kinds()
+        log.info(
+            "compiled the forward's steps of <= %d rows: %d step shapes in %.1f s (compiled ahead of time: %s)",
+            rows,
+            len(steps),
+            time.perf_counter() - start,
+            ", ".join(kept) or "none",
+        )
+        parts = [f"steps of <= {rows} rows"] + ["one call per step"] * self.fast.whole_steps
+        parts += ["specstream's attention kernel"] * self.fast.math.attention_kernel
+        return f"compiled ({'; '.join(parts)})"
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):
+        """Run the model; return float32 logits [sum(num_logits), vocab] in item order. With
+        aux_layers, return (logits, aux): aux [sum(len(tokens)), len(aux_layers) * hidden]
+        is the residual stream entering those layers for every new token (a draft head's
+        input), taken from the same pass."""
+        input_ids, pos, ctx, keep_idx = pack(self.pool, items, self.tile)
+        dev = self.device
+        if self.fast is not None:
+            return self.fast(input_ids, pos, ctx, keep_idx, aux_layers)
+        out = _modules_forward(self.model, input_ids, pos, ctx, keep_idx, bool(aux_layers))
+        logits = out.logits[0].float()
+        if not aux_layers:
+            return logits
+        # hidden_states[i] is the input of layer i.
+        return logits, torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1).to(dev)
+
+
+def _modules_forward(model, input_ids, pos, ctx: StepContext, keep_idx, hidden_states: bool = False):
+    """One packed step through transformers' own modules, attending through ctx."""
+    with step_context(ctx):
+        return model(
+            input_ids=input_ids[None],
+            position_ids=pos[None],
+            use_cache=False,
+            logits_to_keep=keep_idx,
+            # Only when asked: the model hands its kwargs down to the attention function.
+            **({"output_hidden_states": True} if hidden_states else {}),
+        )
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: the whole context) as the model's attention asks for it,
+    recorded from one 2-token forward through transformers' modules over a scratch pool. The KV
+    pool is laid out from these (kv.py); a layer that later asks for more than its group keeps is
+    refused by attention.attend."""
+    num_layers, kv_heads, head_dim = model_geometry(model.config)
+    if fast_llama.supports(model):
+        return [None] * num_layers  # the lean forward attends the whole context
+    weight = next(model.parameters())
+    pool = KVPool(num_layers, kv_heads, head_dim, 2, 2, weight.dtype, weight.device)
+    table = pool.new_table()
+    pool.reserve(table, 2)
+    input_ids, pos, ctx, keep_idx = pack(pool, [ForwardItem(table, 0, [0, 0], 1)])
+    ctx.windows = {}
+    with torch.inference_mode():
+        _modules_forward(model, input_ids, pos, ctx, keep_idx)
+    return [ctx.windows.get(i) for i in range(num_layers)]
+
+
+def pack(
+    pool: KVPool, items: list[ForwardItem], q_tile: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
+    """Concatenate the items' new tokens into one packed step over pool: (input_ids [T],
+    positions [T], the attention context, rows whose logits are wanted). With q_tile, each
+    sequence's query rows are padded to a multiple of it (attention then runs per tile)."""
+    dev = pool.device
+    num_groups = len(pool.groups)
+    input_ids: list[int] = []
+    positions, keep, q_rows = [], [], []
+    # [layer group][item]: the pool slots receiving the item's new tokens, and those of all its positions
+    slot_maps: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+    kv_slots: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+    offset = 0
+    for item in items:
+        n, end = len(item.tokens), item.start + len(item.tokens)
+        input_ids.extend(item.tokens)
+        positions.append(torch.arange(item.start, end))
+        for g in range(num_groups):
+            all_slots = pool.slots(item.table, 0, end, g)
+            slot_maps[g].append(all_slots[item.start :])
+            kv_slots[g].append(all_slots)
+        q_rows.append(torch.arange(offset, offset + n))
+        if item.num_logits:
+            keep.append(torch.arange(offset + n - item.num_logits, offset + n))
+        offset += n
+    pos = torch.cat(positions)
+    # Decode and verification runs attend apart from prefill chunks (see AttentionGroup).
+    short = [i for i, r in enumerate(q_rows) if len(r) <= _SHORT_RUN]
+    long = [i for i, r in enumerate(q_rows) if len(r) > _SHORT_RUN]
+    members = [g for g in (short, long) if g]
+    if len(members) == 2 and len(long) * len(short) <= 1:
+        members = [list(range(len(items)))]  # nothing to gain from splitting
+    groups = [
+        _group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i].start for i in m], q_tile, dev)
+        for m in members
+    ]
+    slot_mappings = [torch.cat(maps).to(dev) for maps in slot_maps]
+    ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
+    keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
+    return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
+
+
+def _group(
+    kv_slots: list[list[torch.Tensor]], q_rows: list[torch.Tensor], starts: list[int], q_tile: int, dev
+) -> AttentionGroup:
+    """The padded attention layout of some of a step's sequences (kv_slots: per KV layer group, each
+    sequence's slots)."""
+    batch = len(q_rows)
+    t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots[0])
+    if q_tile:
+        # Whole tiles of queries, and keys padded (masked) to a multiple of _KEY_BLOCK, so no real key
+        # falls in a kernel's remainder loop, whose summation order differs from its main loop's.
+        t_max += -t_max % q_tile
+        s_max += -s_max % _KEY_BLOCK
+    kv_indexes = []
+    for slots_of in kv_slots:
+        kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+        for i, slots in enumerate(slots_of):
+            kv_index[i, : len(slots)] = slots
+        kv_indexes.append(kv_index.to(dev))
+    q_index = torch.zeros((batch, t_max), dtype=torch.long)
+    for i, rows in enumerate(q_rows):
+        q_index[i, : len(rows)] = rows
+    out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
+    return AttentionGroup(
+        kv_indexes=kv_indexes,
+        q_index=q_index.to(dev),
+        out_index=out_index.to(dev),
+        rows=torch.cat(q_rows).to(dev),
+        q_pos=(torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]).to(dev),
+    )

@@ -1,0 +1,309 @@
+"""EagleProposer: chain drafts from a trained EAGLE-3-style head (see draft_head.py).
+
+The head keeps its own one-layer KV pool. Row t of a sequence's head cache is computed from
+the target's features at position t and token t + 1, so it can be written once both are
+final: the target hands over the features of every prompt chunk and of each round's
+accepted rows (observe), and they wait, cheap, until the sequence next drafts. A drafting
+round then
+1. feeds the waiting rows (in chunks, so a long prompt never makes one huge pass); the last
+   row's output is the first draft;
+2. runs one more packed head step per further draft, each reading the previous step's own
+   output and the token it just drafted, at the next position;
+3. trims the head's table back to the rows computed from target features: the draft rows
+   are overwritten next round (the same O(1) rollback as the target's pool).
+Preemption frees everything (release); the recomputed prefill hands the features over again.
+
+The head does not use the prefix cache. When the target's admission skips a cached prefix,
+no features exist for those positions, so the head's cache starts at the first position it
+is handed (base): its row i holds position base + i, and its context is the text from there
+on (its rotary positions count from base too: attention with rotary embeddings depends only
+on relative positions). Its drafts then see less context, which can only lower their
+acceptance, never change the output (verification decides that); no head row is ever stale
+or unwritten. A later prompt that shares the prefix gets the same, shorter head context.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specstream.calibration import CostModel, throwaway_tables
+from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
+from specstream.memory.kv import KVPool
+from specstream.spec_decode.policy import ChainJudge
+from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
+from specstream.model.runner import ForwardItem, pack
+from specstream.sequence import Sequence
+
+logger = logging.getLogger("specstream.spec_decode.eagle")
+
+# Heads shipped inside the package, by bundled model alias.
+BUNDLED_HEADS = {"smollm2-135m": "smollm2-135m"}
+# Most head rows fed in one pass while catching up on a prompt.
+FEED_CHUNK = 256
+
+
+def bundled_head_dir(model_name: str) -> Path | None:
+    name = BUNDLED_HEADS.get(model_name)
+    if name is None:
+        return None
+    path = Path(str(resources.files("specstream") / "heads" / name))
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_head_dir(draft_model: str | None, model_name: str) -> Path:
+    """The head directory to use: draft_model, else the head bundled for model_name."""
+    if draft_model:
+        return Path(draft_model).expanduser()
+    path = bundled_head_dir(model_name)
+    if path is None:
+        raise HeadError(
+            f"no draft head is bundled for '{model_name}'; train one with "
+            f"`specstream train-draft --model {model_name} --out DIR` and pass draft_model=DIR "
+            f"(--draft-model DIR)"
+        )
+    return path
+
+
+def load_for_target(head_dir: Path, target, target_name: str, dtype: torch.dtype, device) -> DraftHead:
+    """Load a head and check, at start-up, that it fits the target."""
+    check_fits(read_config(head_dir), target.config, str(head_dir), target_name)
+    return load_head(head_dir, target.get_input_embeddings().weight, dtype, device)
+
+
+def check_draft_head(model: str, draft_model: str | None, method: str = "eagle") -> None:
+    """Raise HeadError (a ValueError) unless the head that `method` would use fits the model:
+    cheap (reads two config files), so a server can check before it starts. With "auto", a
+    model with no head is fine (n-gram alone)."""
+    from transformers import AutoConfig
+
+    from specstream.model.loader import resolve_model
+
+    if method == "auto" and not draft_model and bundled_head_dir(model) is None:
+        return
+    head = resolve_head_dir(draft_model, model)
+    source = resolve_model(model)
+    check_fits(read_config(head), AutoConfig.from_pretrained(source.path, **source.kwargs), str(head), model)
+
+
+@dataclass
+class _HeadState:
+    base: int  # the sequence position of head row 0: the first position whose features came
+    table: list[int] = field(default_factory=list)
+    fed: int = 0  # head rows 0 .. fed - 1 (positions base ..) are computed from the target's features
+    pending: list[torch.Tensor] = field(default_factory=list)  # features of positions base + fed, ...
+    num_pending: int = 0  # rows in pending, counted as they come (a sequence that rarely drafts piles up many)
+
+
+class EagleProposer(Proposer):
+    def __init__(self, head: DraftHead, pool: KVPool) -> None:
+        self.head = head
+        self.pool = pool
+        self.aux_layers = head.cfg.aux_layers
+        self._mask: DraftMask | None = None  # [structured]
+        self.cost: CostModel | None = None  # one head pass over n sequences, set by calibrate()
+        # The target's forward time by tokens, set by the engine after its calibration: with it,
+        # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
+        self.target_cost: CostModel | None = None
+        self._state: dict[str, _HeadState] = {}
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> EagleProposer:
+        """The head config.speculative.draft_model names, else the one bundled for the model (HeadError
+        when there is none, or it does not fit the target)."""
+        spec = ctx.config.speculative
+        head = load_for_target(
+            resolve_head_dir(spec.draft_model, ctx.config.model), ctx.target, ctx.config.model, ctx.dtype, ctx.device
+        )
+        # Below float32 the head's step reads 8-bit weights where the CPU kernels serve them (drafts
+        # only: output is unchanged). float32 keeps the head as trained.
+        if ctx.dtype != torch.float32 and head.serve_in_8_bits():
+            logger.info("draft head: projections served in 8-bit blocks")
+        cfg = head.cfg
+        pool = KVPool(
+            1, cfg.num_key_value_heads, cfg.head_dim, ctx.pool_positions, ctx.config.kv_block_size, ctx.dtype, ctx.device
+        )
+        return cls(head, pool)
+
+    def pass_cost(self, num_seqs: int) -> float:
+        return self.cost(num_seqs) if self.cost is not None else 0.0
+
+    def calibrate(self, target_cost: CostModel, max_pass_tokens: int) -> None:
+        self.time_steps()
+        self.target_cost = target_cost  # chains stop where drafts stop paying
+
+    def constrain(self, mask: DraftMask) -> None:
+        self._mask = mask
+
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        state = self._state.get(seq.request_id)
+        if state is None:
+            # The first features may start past a prefix the target took from its cache.
+            state = self._state[seq.request_id] = _HeadState(base=start)
+        expected = state.base + state.fed + state.num_pending
+        if start > expected:
+            raise RuntimeError(f"draft head of {seq.request_id}: features from position {start}, expected {expected}")
+        if start + len(features) > expected:
+            # A copy: a decode step's rows are views of the whole step's features, which a
+            # view would keep alive for as long as the sequence waits to draft.
+            rows = features[expected - start :].clone()
+            state.pending.append(rows)
+            state.num_pending += len(rows)
+
+    def release(self, seq: Sequence) -> None:
+        state = self._state.pop(seq.request_id, None)
+        if state is not None:
+            self.pool.free(state.table)
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([], None, "eagle") for _ in seqs]
+        active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
+        if not active:
+            return drafts
+        judge = ChainJudge(self.target_cost, self.cost, len(seqs)) if self.target_cost is not None else None
+        logits, hidden = self._catch_up([seqs[i] for i in active])
+        step = 0
+        while True:
+            if judge is not None:
+                judge.head_step(len(active))
+            confidence = self._choose(
+                logits, [seqs[i] for i in active], [drafts[i] for i in active], step, judge is not None
+            )
+            kept = [True] * len(active)
+            if judge is not None:
+                for j, i in enumerate(active):
+                    if not judge.keep(i, confidence[j]):
+                        kept[j] = False
+                        drafts[i].tokens.pop()
+                        if drafts[i].probs:
+                            drafts[i].probs.pop()
+            step += 1
+            still = [j for j, i in enumerate(active) if ks[i] > step and kept[j]]
+            if not still:
+                break
+            active, hidden = [active[j] for j in still], hidden[still]
+            states = [self._state[seqs[i].request_id] for i in active]
+            items = [
+                ForwardItem(st.table, st.fed + step - 1, [drafts[i].tokens[-1]], 1) for i, st in zip(active, states)
+            ]
+            logits, hidden = self._step(items, hidden)
+        for s in seqs:
+            state = self._state.get(s.request_id)
+            if state is not None:
+                self.pool.trim(state.table, state.fed)
+        for d in drafts:
+            d.probs = torch.stack(d.probs) if d.probs else None
+        return drafts
+
+    def _ready(self, seq: Sequence, k: int) -> bool:
+        """Every row but the last has its features, and the pool holds the chain's rows."""
+        state = self._state.get(seq.request_id)
+        if (
+            state is None
+            or state.base + state.fed + state.num_pending != len(seq.token_ids) - 1
+            or not state.num_pending
+        ):
+            return False
+        return self.pool.reserve(state.table, len(seq.token_ids) - state.base + k - 2)
+
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each sequence's waiting rows; return its last row's (logits, pre-norm output)."""
+        states = [self._state[s.request_id] for s in seqs]
+        feats = [torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0] for st in states]
+        out_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        out_hidden: list[torch.Tensor | None] = [None] * len(seqs)
+        done = [0] * len(seqs)
+        while any(d < len(f) for d, f in zip(done, feats)):
+            items, rows, owners, budget = [], [], [], FEED_CHUNK
+            for j, (seq, st, f) in enumerate(zip(seqs, states, feats)):
+                n = min(len(f) - done[j], max(budget, 1))
+                if n <= 0 or (budget <= 0 and items):
+                    continue
+                start = st.fed + done[j]  # a head row; its position is base + start
+                last = done[j] + n == len(f)
+                first = st.base + start + 1
+                items.append(ForwardItem(st.table, start, seq.token_ids[first : first + n], int(last)))
+                rows.append(f[done[j] : done[j] + n])
+                if last:
+                    owners.append(j)
+                done[j] += n
+                budget -= n
+            with torch.inference_mode():
+                hidden_in = self.head.fc(torch.cat(rows).to(self.head.fc.weight.dtype))
+            logits, hidden = self._step(items, hidden_in)
+            for r, j in enumerate(owners):
+                out_logits[j], out_hidden[j] = logits[r], hidden[r]
+        for st, f in zip(states, feats):
+            st.fed += len(f)
+            st.pending = []
+            st.num_pending = 0
+        return torch.stack(out_logits), torch.stack(out_hidden)
+
+    def _step(self, items: list[ForwardItem], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, ctx, keep = pack(self.pool, items)
+        return self.head.step(tokens, hidden, positions, ctx, keep)
+
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int, judged: bool
+    ) -> list[float]:
+        """Append each sequence's draft token `step`. With `judged`, return the head's probability
+        of each (q of a sampled draft, the top probability of a greedy one); else nothing is computed
+        for it."""
+        greedy = self.head.target_ids[logits.argmax(-1)].tolist()
+        constrained = self._mask is not None and any(s.constraint is not None for s in seqs)
+        masked = None  # the rows a grammar masked, over the whole vocabulary
+        if not constrained and all(s.params.greedy for s in seqs):
+            tokens, probs = greedy, [None] * len(seqs)
+        else:
+            full = self.head.full_logits(logits)
+            if constrained:
+                full, greedy = self._constrained(full, seqs, drafts, greedy)
+                masked = full
+            tokens, probs = choose_drafts(full, seqs, step, greedy)
+        # Unmasked, the softmax over the draft vocabulary is the full row's (q is 0 outside it).
+        source = logits if masked is None else masked
+        confidence = source.float().softmax(-1).amax(-1).tolist() if judged else []
+        for j, (d, tok, q) in enumerate(zip(drafts, tokens, probs)):
+            d.tokens.append(tok)
+            if q is not None:
+                d.probs = (d.probs or []) + [q]
+                if judged:
+                    confidence[j] = float(q[tok])
+        return confidence
+
+    def _constrained(self, full: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], greedy: list[int]):
+        """[structured] The head's logits masked by each sequence's grammar after its drafted
+        tokens, so that a sampled draft's q is the constrained q (rejection sampling against the
+        masked target stays lossless). A row the grammar leaves empty within the draft
+        vocabulary becomes one-hot on the head's own choice: that draft is invalid and gets cut,
+        which for a one-hot q is the same as rejecting it (the residual is then p itself)."""
+        full = self._mask(full, seqs, [d.tokens for d in drafts])
+        empty = (~torch.isfinite(full).any(-1)).nonzero().flatten()
+        if len(empty):
+            full[empty] = float("-inf")
+            full[empty, torch.tensor(greedy, device=full.device)[empty]] = 0.0
+        return full, full.argmax(-1).tolist()
+
+    # ------------------------------------------------------------------ cost
+    def time_steps(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 64) -> None:
+        """Time one head step over n sequences (throwaway tables, freed after): pass_cost."""
+        with throwaway_tables(self.pool, max(sizes), context + 1) as tables:
+            sizes = tuple(n for n in sizes if n <= len(tables))
+            if not sizes:
+                return
+            hidden = torch.zeros(
+                (max(sizes), self.head.cfg.hidden_size), dtype=self.head.fc.weight.dtype, device=self.pool.device
+            )
+
+            def run(n: int) -> None:
+                self._step([ForwardItem(t, context, [0], 1) for t in tables[:n]], hidden[:n])
+
+            self.cost = CostModel.measure(run, list(sizes))
+        logger.info(
+            "draft head step: %.2f ms at 1 sequence, %.2f ms at %d", 1e3 * self.cost(1), 1e3 * self.cost(sizes[-1]), sizes[-1]
+        )

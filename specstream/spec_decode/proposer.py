@@ -1,0 +1,117 @@
+"""The one interface every proposer implements, and what they share.
+
+A proposer is asked for up to k_i draft tokens for each decoding sequence and returns them
+with, for stochastic proposers, the distribution each was drawn from (verification needs q).
+Deterministic proposers return probs=None (q is one-hot). A proposer that reads the target's
+hidden states (a trained draft head) names the layers in aux_layers and receives each
+sequence's rows through observe(); verification does not change.
+
+The engine reaches a proposer only through this interface: it is built by name
+(registry.py), calibrated, constrained by grammars and fed through these hooks, whatever
+its kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specstream.calibration import CostModel
+from specstream.config import EngineConfig
+from specstream.sequence import Sequence
+from specstream.sampling import STREAM_DRAFT, probabilities_for, sample_from, uniform
+
+# [structured] (logits, seqs, drafted tokens so far) -> the logits masked by each sequence's grammar
+DraftMask = Callable[[torch.Tensor, list[Sequence], list[list[int]]], torch.Tensor]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
+    method: str = ""  # which proposer made it (a metrics label)
+    num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer's build() may read of the engine being built."""
+
+    config: EngineConfig
+    target: Any  # the target model (transformers' module)
+    tokenizer: Any
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    pool_positions: int  # positions one sequence may take in a proposer's own KV pool (as in the target's)
+
+
+class Proposer:
+    # Target layers whose input hidden states the proposer reads (empty: none).
+    aux_layers: tuple[int, ...] = ()
+    # [structured] lookup(tokens, k): continue a token list as this proposer would (n-gram lookup), so
+    # that its drafts can follow tokens a grammar forces; None where drafts cannot follow them.
+    lookup: Callable[[list[int], int], list[int]] | None = None
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> Proposer:
+        """The proposer EngineConfig.speculative asks for, built for ctx's target."""
+        return cls()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """The target is fed these prefill chunks (sequence, length) this step: a proposer
+        with a KV cache of its own feeds them too, so it never catches up a whole prompt at once."""
+
+    def pass_cost(self, num_seqs: int) -> float:
+        """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
+        return 0.0
+
+    def on_commit(self, seq: Sequence) -> None:
+        """The target accepted some tokens of seq: drop state past them."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was preempted: free what the proposer holds for it."""
+
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target's aux hidden states [n, len(aux_layers) * hidden] of seq's positions
+        start .. start + n - 1, now final (prompt rows, or the accepted rows of a round)."""
+
+    def calibrate(self, target_cost: CostModel, max_pass_tokens: int) -> None:
+        """Measure what drafting costs here (pass_cost), given the target's forward-time curve."""
+
+    def constrain(self, mask: DraftMask) -> None:
+        """[structured] Mask the proposer's own logits by each sequence's grammar while drafting (a
+        proposer that samples from logits must, so that its q is the constrained q)."""
+
+
+class NoProposer(Proposer):
+    def propose(self, seqs, ks):
+        return [Draft([]) for _ in seqs]
+
+
+def choose_drafts(
+    logits: torch.Tensor, seqs: list[Sequence], step: int, greedy_ids: list[int] | None = None
+) -> tuple[list[int], list]:
+    """Draft token `step` of each sequence from its proposer's logits [len(seqs), V]: the
+    argmax for greedy requests (or greedy_ids when the caller has them), else a sample from
+    the request's own sampling distribution q, returned with it for verification."""
+    sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+    tokens = list(greedy_ids) if greedy_ids is not None else logits.argmax(-1).tolist()
+    probs: list = [None] * len(seqs)
+    if not sampled:
+        return tokens, probs
+    rows = probabilities_for(logits[sampled], [seqs[j].params for j in sampled])
+    us = torch.tensor(
+        [uniform(seqs[j].seed, seqs[j].num_output_tokens + step, STREAM_DRAFT) for j in sampled],
+        dtype=torch.float64,
+        device=logits.device,
+    )
+    for row, (j, tok) in enumerate(zip(sampled, sample_from(rows, us).tolist())):
+        tokens[j], probs[j] = tok, rows[row]
+    return tokens, probs

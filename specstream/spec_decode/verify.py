@@ -1,0 +1,201 @@
+"""Batched acceptance of drafted tokens.
+
+Vocabulary (after vLLM's rejection sampler): a round verifies k drafted tokens d_1..d_k of a
+sequence with one target forward that yields target distributions p_1..p_{k+1}.
+- accepted tokens: the longest prefix of drafts the target keeps;
+- recovered token: at the first rejection, a token drawn from the target's correction
+  (greedy: the target argmax; sampling: norm(max(p_i - q_i, 0)));
+- bonus token: when all k are accepted, a token drawn from p_{k+1}.
+Each round emits accepted + 1 tokens. k may differ per sequence; rows are padded to the
+batch's largest k and masked by num_drafts.
+
+Greedy: accept while d_i == argmax p_i. Sampling with a draft model (q known): accept d_i
+with probability min(1, p_i(d_i) / q_i(d_i)), else recover from the residual
+(Leviathan et al. 2023; Chen et al. 2023); the emitted tokens are distributed exactly as
+the target's. A deterministic proposer (n-gram) has q_i = one-hot(d_i): accepting with
+probability p_i(d_i) and recovering from p_i without d_i is the same as drawing y_i ~ p_i
+and accepting while y_i == d_i, which is how it is computed here, so that a seeded request
+samples the same tokens whether or not drafts were offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specstream.spec_decode.proposer import Draft
+from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, probabilities_for, sample_from, uniform
+from specstream.sequence import Sequence
+
+
+def accepted_prefix(matches: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in each row, within num_drafts. [B, K] -> [B]."""
+    k = matches.shape[1]
+    valid = torch.arange(k, device=matches.device)[None, :] < num_drafts[:, None]
+    return (matches & valid).long().cumprod(dim=1).sum(dim=1)
+
+
+def accept_by_match(target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts equal to the target's own token at each position.
+
+    target_tokens [B, K+1]: the target's choice per position (argmax for greedy, a sample
+    from p_i for one-hot proposals); drafts [B, K]. Returns (num_accepted [B], next_token [B]).
+    """
+    k = drafts.shape[1]
+    num_accepted = accepted_prefix(drafts == target_tokens[:, :k], num_drafts)
+    next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    return num_accepted, next_token
+
+
+def accept_rejection_sampling(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling for drafts drawn from known distributions.
+
+    target_probs [B, K+1, V]; draft_probs [B, K, V]; drafts [B, K]; num_drafts [B];
+    accept_uniforms [B, K]; sample_uniforms [B, K+1]: column i draws the recovered or bonus
+    token when it lands at draft position i (i = num_accepted), so each output position has
+    its own uniform. Returns (num_accepted [B], next_token [B]).
+    """
+    b, k = drafts.shape
+    rows = torch.arange(b, device=drafts.device)
+    p_d = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(-1)
+    q_d = draft_probs.gather(2, drafts[..., None]).squeeze(-1)
+    # u < p/q, written without the division (q_d > 0 for a token sampled from q).
+    num_accepted = accepted_prefix(accept_uniforms * q_d < p_d, num_drafts)
+    p_next = target_probs[rows, num_accepted]
+    rejected = num_accepted < num_drafts
+    q_next = draft_probs[rows, num_accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros_like(p_next)
+    residual = torch.where(rejected[:, None], (p_next - q_next).clamp_(min=0), p_next)
+    # p == q exactly leaves no residual mass; rejection then has probability zero, but
+    # rounding can still get here: fall back to p.
+    empty = residual.sum(-1) <= 0
+    residual = torch.where(empty[:, None], p_next, residual)
+    return num_accepted, sample_from(residual, sample_uniforms.gather(1, num_accepted[:, None]).squeeze(1))
+
+
+@dataclass
+class Round:
+    """One sequence's part of a verification step."""
+
+    seq: Sequence
+    draft: Draft
+    logits: torch.Tensor  # [len(draft.tokens) + 1, V]: row i is the target after draft i (row 0: after the last token)
+
+    @property
+    def k(self) -> int:
+        return len(self.draft.tokens)
+
+
+@dataclass
+class RoundResult:
+    num_accepted: int  # drafts the target kept
+    tokens: list[int]  # to emit: the accepted drafts, then the recovered or bonus token
+
+
+def verify_round(rounds: list[Round]) -> list[RoundResult]:
+    """Accept or reject each sequence's drafts for one round: greedy rows by matching the
+    target's argmax, sampled rows by matching a sample (one-hot proposals) or by rejection
+    sampling (proposals with known q)."""
+    logits = [_penalize(r) for r in rounds]
+    greedy = [i for i, r in enumerate(rounds) if r.seq.params.greedy]
+    sampled = [i for i, r in enumerate(rounds) if not r.seq.params.greedy]
+    probs = dict(zip(sampled, _probabilities([rounds[i] for i in sampled], [logits[i] for i in sampled])))
+    with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k]
+    one_hot = [i for i in sampled if i not in with_q]
+    results: list[RoundResult | None] = [None] * len(rounds)
+    for idx, verify, inputs in (
+        (greedy, _verify_greedy, logits),
+        (one_hot, _verify_one_hot, probs),
+        (with_q, _verify_with_q, probs),
+    ):
+        if idx:
+            group = [rounds[i] for i in idx]
+            num_accepted, next_token = verify(group, [inputs[i] for i in idx])
+            for i, r, a, t in zip(idx, group, num_accepted.tolist(), next_token.tolist()):
+                results[i] = RoundResult(a, r.draft.tokens[:a] + [t])
+    return results
+
+
+def _penalize(r: Round) -> torch.Tensor:
+    """The round's logits with presence/frequency penalties over the output so far, each
+    row counting the drafts before it as generated."""
+    p = r.seq.params
+    if not p.has_penalties:
+        return r.logits
+    rows, vocab, device = r.logits.shape[0], r.logits.shape[-1], r.logits.device
+    counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+    counts = counts.to(device=device, dtype=r.logits.dtype).expand(rows, -1).clone()
+    for i, tok in enumerate(r.draft.tokens):
+        counts[i + 1 :, tok] += 1
+    presence = torch.full((rows,), p.presence_penalty, device=device)
+    frequency = torch.full((rows,), p.frequency_penalty, device=device)
+    return apply_penalties(r.logits, counts, presence, frequency)
+
+
+def _probabilities(rounds: list[Round], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sampled round's target distributions, computed in one batch."""
+    if not rounds:
+        return []
+    sizes = [x.shape[0] for x in logits]
+    row_params = [r.seq.params for r, n in zip(rounds, sizes) for _ in range(n)]
+    return list(probabilities_for(torch.cat(logits), row_params).split(sizes))
+
+
+def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _match(rounds, [x.argmax(-1) for x in logits])
+
+
+def _verify_one_hot(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i."""
+    choices = []
+    for r, p in zip(rounds, probs):
+        us = _uniforms(r.seq, p.shape[0], STREAM_SAMPLE, p.device)
+        choices.append(sample_from(p, us))
+    return _match(rounds, choices)
+
+
+def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    k = max(r.k for r in rounds)
+    vocab, device = probs[0].shape[-1], probs[0].device
+    p = torch.zeros((len(rounds), k + 1, vocab), device=device)
+    q = torch.zeros((len(rounds), k, vocab), device=device)
+    accept_u = torch.zeros((len(rounds), k), dtype=torch.float64, device=device)
+    sample_u = torch.zeros((len(rounds), k + 1), dtype=torch.float64, device=device)
+    for j, (r, probs_j) in enumerate(zip(rounds, probs)):
+        p[j, : r.k + 1] = probs_j
+        q[j, : r.k] = r.draft.probs[:, :vocab]
+        accept_u[j, : r.k] = _uniforms(r.seq, r.k, STREAM_ACCEPT, device)
+        # The recovered/bonus token uses the uniform of the position it lands on, so no
+        # later round can draw with the same one.
+        sample_u[j, : r.k + 1] = _uniforms(r.seq, r.k + 1, STREAM_SAMPLE, device)
+    drafts, num_drafts = _drafts(rounds, k, device)
+    return accept_rejection_sampling(p, q, drafts, num_drafts, accept_u.to(p.dtype), sample_u)
+
+
+def _match(rounds: list[Round], choices: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_by_match over rounds of different k: choices[j] is round j's target token per row."""
+    k = max(r.k for r in rounds)
+    targets = torch.stack([torch.nn.functional.pad(c, (0, k + 1 - len(c))) for c in choices])
+    return accept_by_match(targets, *_drafts(rounds, k, targets.device))
+
+
+def _drafts(rounds: list[Round], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts padded to k [B, k], and each round's number of drafts [B]."""
+    out = torch.zeros((len(rounds), k), dtype=torch.long, device=device)
+    for j, r in enumerate(rounds):
+        if r.k:
+            out[j, : r.k] = torch.tensor(r.draft.tokens, dtype=torch.long, device=device)
+    return out, torch.tensor([r.k for r in rounds], device=device)
+
+
+def _uniforms(seq: Sequence, n: int, stream: int, device) -> torch.Tensor:
+    """The uniforms of the next n output positions of seq in one stream."""
+    pos = seq.num_output_tokens
+    return torch.tensor([uniform(seq.seed, pos + t, stream) for t in range(n)], dtype=torch.float64, device=device)

@@ -1,0 +1,1 @@
+"""Training a draft head for a target (`specstream train-draft`)."""
