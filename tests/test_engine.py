@@ -300,6 +300,50 @@ def test_a_request_that_raises_inside_the_step_fails_alone(tiny_model_dir, tiny_
     assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
+def _break_forced_tokens(seq):
+    def forced(limit):
+        raise RuntimeError("a grammar matcher that fails to force tokens")
+
+    seq.constraint.forced = forced
+
+
+def test_a_request_whose_grammar_drafts_raise_fails_alone(tiny_model_dir, plain):
+    """The grammar's drafts (forced tokens, cutting) are built for every decoding sequence in one call;
+    one sequence's failure there ends that request alone."""
+    from specstream import StructuredOutput
+
+    e = engine(tiny_model_dir, "ngram", k=3)
+    keep = lambda seq: None  # noqa: E731
+    structured = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput(json_object=True))
+    good = {f"good{i}": (PROMPTS[i], GREEDY, keep) for i in range(3)}
+    chunks = run_all(e, {**good, "bad": (PROMPTS[3], structured, _break_forced_tokens)})
+    assert chunks["bad"][-1].finish_reason == "error" and chunks["bad"][-1].error
+    for rid, (prompt, params, _) in good.items():
+        assert [t for c in chunks[rid] for t in c.token_ids] == plain.generate(prompt, params)[0].token_ids
+    assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
+def test_a_proposer_whose_prefill_raises_drops_its_state_and_the_requests_go_on(
+    tiny_model_dir, tiny_draft_dir, plain, monkeypatch
+):
+    """A draft model follows the target's prefill chunks; when that fails, its state for those
+    sequences is dropped (it catches up when they next draft) and no request fails."""
+    e = engine(tiny_model_dir, "draft", k=3, spec={"draft_model": str(tiny_draft_dir)})
+    follow, failures = e.proposer.prefill, []
+
+    def fails_once(chunks):
+        if chunks and not failures:
+            failures.append(len(chunks))
+            raise RuntimeError("a draft pass that fails")
+        follow(chunks)
+
+    monkeypatch.setattr(e.proposer, "prefill", fails_once)
+    outs = e.generate(PROMPTS[:3], GREEDY)
+    assert failures and [o.finish_reason for o in outs] == ["length"] * 3
+    assert [o.token_ids for o in outs] == [plain.generate(p, GREEDY)[0].token_ids for p in PROMPTS[:3]]
+    assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
 def test_accepted_drafts_cut_by_a_limit_or_a_stop_do_not_count(tiny_model_dir):
     """A draft identical to the target has every draft accepted; the tokens past max_tokens or
     a stop token were accepted but never emitted, so they must not count."""

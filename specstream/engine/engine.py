@@ -174,15 +174,41 @@ class Engine:
     def _propose(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         """Drafts for the decoding sequences, each cut to its k: (the sequences still
         decoding, their drafts, the chunks of those that failed)."""
-        self.proposer.prefill(plan.prefills)
+        self._prefill_proposer(plan.prefills)
         decodes, drafts, failed = self._draft(plan)
-        # [structured] grammar-forced tokens lead constrained drafts; drafts cut to what the grammar accepts
         kept = {id(s) for s in decodes}
         ks = [k for s, k in zip(plan.decodes, plan.ks) if id(s) in kept]
-        drafts = self.structured.drafts(
-            decodes, ks, drafts, self.proposer.lookup, self._reserve_drafts, self._spare_tokens(plan)
-        )
-        return decodes, drafts, failed
+        decodes, drafts, refused = self._constrain_drafts(decodes, ks, drafts, self._spare_tokens(plan))
+        return decodes, drafts, failed + refused
+
+    def _prefill_proposer(self, chunks: list[tuple[Sequence, int]]) -> None:
+        try:
+            self.proposer.prefill(chunks)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: drop its state, keep the requests
+            logger.warning("proposer state of %d prefilling sequences dropped", len(chunks), exc_info=True)
+            for seq, _ in chunks:
+                self.proposer.release(seq)
+
+    def _constrain_drafts(
+        self, seqs: list[Sequence], ks: list[int], drafts: list[Draft], spare: int
+    ) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
+        """[structured] Grammar-forced tokens lead constrained drafts, and drafts are cut to what the
+        grammar accepts; where that fails, sequence by sequence, so a failure stays with its request."""
+        lookup, reserve = self.proposer.lookup, self._reserve_drafts
+        try:
+            return seqs, self.structured.drafts(seqs, ks, drafts, lookup, reserve, spare), []
+        except Exception:  # noqa: BLE001 - find the sequence it belongs to
+            kept, out, failed = [], [], []
+            for seq, k, draft in zip(seqs, ks, drafts):
+                try:
+                    (draft,) = self.structured.drafts([seq], [k], [draft], lookup, reserve, spare)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed.append(self._fail(seq, exc))
+                    continue
+                spare -= max(len(draft.tokens) - k, 0)  # forced tokens beyond k spend the step's spare budget
+                kept.append(seq)
+                out.append(draft)
+            return kept, out, failed
 
     def _draft(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         if not any(plan.ks):
