@@ -5,6 +5,8 @@ bundled default model for the few integration tests that need it."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,41 @@ import pytest
 # Engines start eager here (compiling each tiny model's forward would add seconds to every engine);
 # tests/test_compile.py turns compile on where it tests it.
 os.environ.setdefault("SPECSTREAM_COMPILE", "0")
+# The run's own cache (converted models, kernels, compiled steps, timings), never the user's: tests
+# write timings and damaged files there on purpose. Servers the tests start inherit it. A new one per
+# run, removed when the run ends; SPECSTREAM_TEST_CACHE_DIR names one to keep between runs instead.
+KEPT_TEST_CACHE = os.environ.get("SPECSTREAM_TEST_CACHE_DIR")
+TEST_CACHE = Path(KEPT_TEST_CACHE or tempfile.mkdtemp(prefix="specstream-test-cache-"))
+os.environ["SPECSTREAM_CACHE_DIR"] = str(TEST_CACHE)
+
+# Skips that mean a real component is missing on this machine (setup installs each where it can).
+# Under CI=true such a skip fails the run: a green CI must have run the kernel, replica and browser tests.
+COMPONENT_SKIPS = ("g++", "nginx", "chromium", "selenium", "kernels did not build", "libgomp")
+_component_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+        if any(word in reason for word in COMPONENT_SKIPS):
+            _component_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if os.environ.get("CI", "").lower() == "true" and _component_skips and exitstatus == 0:
+        session.exitstatus = 1
+    if not KEPT_TEST_CACHE:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    skipped = len(terminalreporter.stats.get("skipped", []))
+    terminalreporter.write_line(f"skipped: {skipped} test(s), {len(_component_skips)} for a missing component")
+    if _component_skips and os.environ.get("CI", "").lower() == "true":
+        terminalreporter.write_line("CI=true: a test that needs a real component skipped, so the run fails:", red=True)
+        for line in _component_skips:
+            terminalreporter.write_line(f"  {line}", red=True)
+
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
