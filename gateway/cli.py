@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -157,6 +158,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        # The port first: a server that cannot listen exits now, before it loads anything.
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     from specstream import ModelError, check_draft_head, resolve_model
     from specstream.model.loader import read_chat_template
 
@@ -171,19 +178,45 @@ def _serve(args: argparse.Namespace) -> int:
         elif args.draft_model:
             resolve_model(args.draft_model)
     except (ModelError, ValueError) as exc:
+        sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("specstream.gateway").info(
         "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
     engine = AsyncEngine(config, max_waiting=args.max_waiting)
-    return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+    return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
 
 
-def serve(engine: AsyncEngine, settings: GatewaySettings, *, host: str, port: int, log_level: str = "info") -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (OSError when it cannot be: the port is taken, the address is
+    not this machine's), for uvicorn to listen on."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    engine: AsyncEngine,
+    settings: GatewaySettings,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
+) -> int:
     """Run the server until it is stopped (0) or the engine fails to load or fails fatally
     later (1, with the error on stderr), so that a supervisor restarts a failed server
-    instead of leaving it answering 503 forever."""
+    instead of leaving it answering 503 forever. sock: a socket bound already (listen_socket);
+    else one is bound here, and a port in use is an error before the engine starts."""
     import uvicorn
 
     from gateway.app import create_app
@@ -194,11 +227,17 @@ def serve(engine: AsyncEngine, settings: GatewaySettings, *, host: str, port: in
         failures.append(exc)
         server.should_exit = True
 
+    if sock is None:
+        try:
+            sock = listen_socket(host, port)
+        except OSError as exc:
+            print(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     app = create_app(engine, settings, on_engine_failure=stop_on_failure)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
     )
-    server.run()
+    server.run(sockets=[sock])
     if failures:
         print(f"error: the engine failed, exiting: {failures[0]}", file=sys.stderr)
         return 1

@@ -5,6 +5,8 @@ leaving it answering 503 forever."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -59,3 +61,52 @@ def test_a_fatal_engine_error_after_start_exits_non_zero(tiny_model_dir):
             proc.communicate()
     assert proc.returncode == 1, stderr[-2000:]
     assert "injected fatal fault" in stderr and "error: the engine failed, exiting" in stderr
+
+
+def test_a_port_in_use_exits_at_once_with_the_reason(tiny_model_dir):
+    """The port is bound before anything loads: a taken one ends the server within seconds."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+        start = time.monotonic()
+        done = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"error: cannot listen on 127.0.0.1:{port}" in done.stderr and "in use" in done.stderr
+    assert "loading" not in done.stderr  # nothing was loaded
+    assert time.monotonic() - start < 30
+
+
+def test_sigterm_while_the_model_loads_ends_the_server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "slow_loading_server.py"), "unused-model-dir", str(port)],
+        cwd=ROOT,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "loading"  # the engine thread is inside the (slow) load
+        deadline = time.monotonic() + 30
+        while True:  # and the server is up, answering "loading"
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)  # the load had 50 s to go: nothing waits for it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    # uvicorn shuts down, then ends the process by the signal it caught.
+    assert proc.returncode in (0, -signal.SIGTERM), stderr[-2000:]
+    assert "Application shutdown complete" in stderr

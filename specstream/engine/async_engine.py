@@ -43,6 +43,24 @@ from specstream.sequence import Sequence, SpecStats
 logger = logging.getLogger(__name__)
 
 
+def _settle(loop: asyncio.AbstractEventLoop, ready: asyncio.Future, exc: BaseException | None) -> None:
+    """From the engine thread: resolve start()'s future, unless start() stopped waiting for it (a
+    cancelled future, a closed loop)."""
+
+    def resolve() -> None:
+        if ready.done():
+            return
+        if exc is None:
+            ready.set_result(None)
+        else:
+            ready.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the loop is closed: nobody is waiting
+        pass
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -101,6 +119,14 @@ class AsyncEngine:
         self._thread.start()
         try:
             await ready
+        except asyncio.CancelledError:
+            # Stopped while loading (a server shut down, SIGTERM): the engine thread, a daemon, stops once
+            # the model is built, and nothing waits for it; the process may exit meanwhile.
+            self._stopping = True
+            self._wakeup.set()
+            self._thread = None
+            self._tokenizing.shutdown(wait=False)
+            raise
         except BaseException:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -333,9 +359,11 @@ class AsyncEngine:
     def _mark_failed(self, exc: BaseException) -> None:
         """Engine thread: record a fatal error and end every open stream with it."""
         self._dead = exc
-        if not self._loop.is_closed():
+        try:
             self._loop.call_soon_threadsafe(self._failed.set)
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine failed; no request can run"))
+        except RuntimeError:  # the loop is closed: no stream is left to end
+            pass
 
     # ------------------------------------------------------------------ engine thread
     def _drain(self) -> list:
@@ -369,10 +397,12 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             logger.error("the engine could not start: %s", exc, exc_info=exc)
             self._mark_failed(exc)
-            loop.call_soon_threadsafe(ready.set_exception, exc)
+            _settle(loop, ready, exc)
+            return
+        if self._stopping:  # start() was cancelled while the model loaded
             return
         self._running = True
-        loop.call_soon_threadsafe(ready.set_result, None)
+        _settle(loop, ready, None)
         engine = self.engine
         try:
             while not self._stopping:
