@@ -15,7 +15,7 @@ SETUP_CHROMIUM ?= 1
 # when missing (root + apt only), else the server runs the eager forward and says so.
 SETUP_CXX ?= 1
 
-.PHONY: setup serve test nginx chromium cxx clean-venv
+.PHONY: setup serve test gpu-check nginx chromium cxx clean-venv
 
 setup: $(STAMP) nginx chromium cxx
 
@@ -60,6 +60,11 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU: the GPU tests, a bf16 smoke test and the serving benchmark, with a
+# report in gpu-check/REPORT.md (scripts/gpu_check.sh says what it checks). Not part of `make test`.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean-venv:
 	rm -rf $(VENV)

@@ -120,3 +120,8 @@ def test_modules_and_functions_read_in_one_sitting():
                 long_functions.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1})")
     assert long_files == [] and long_functions == []
 
+
+def test_the_gpu_check_script_parses():
+    """`make gpu-check` runs only where a GPU is lent; here at least its bash must parse."""
+    done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
