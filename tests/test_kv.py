@@ -1,5 +1,6 @@
 """KV pool: block allocation, all-or-nothing reservation, rollback by length, no leaks."""
 
+import os
 import random
 
 import pytest
@@ -167,3 +168,23 @@ def test_random_windowed_reserve_trim_free_leaves_pool_as_it_started():
     for t in tables:
         pool.free(t)
     assert pool.num_free_blocks == pool.num_blocks and pool.usage == 0.0
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_a_pool_takes_resident_memory_as_its_blocks_are_written():
+    """A pool sized for many long sequences holds resident only the blocks sequences have written; the
+    rest reads as zeros."""
+    before = _resident_mib()
+    pool = KVPool(num_layers=4, num_kv_heads=4, head_dim=64, num_tokens=2**16, block_size=16, dtype=torch.float32, device="cpu")
+    size = sum(t.nbytes for t in {id(t): t for t in pool.keys + pool.values}.values()) / 2**20
+    assert size == 512 and _resident_mib() - before < 64
+    table: list[int] = []
+    assert pool.reserve(table, 64)
+    for keys in pool.keys:
+        keys[: 64 * 4].fill_(1.0)  # rows of the first blocks
+    assert _resident_mib() - before < 64 and float(pool.values[0].abs().max()) == 0.0

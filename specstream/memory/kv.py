@@ -24,13 +24,26 @@ exactly a plain one, and a plain list serves as its block table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specstream.memory.blocks import NO_BLOCK, BlockAllocator
 
 UNBOUNDED = 2**40  # the capacity of a pool whose every layer is windowed
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros that take memory as they are first written. On CPU the bytes come from calloc, which maps
+    fresh pages the kernel zero-fills on first touch: a pool sized for many long sequences holds resident
+    only the blocks that sequences have used. Elsewhere, plain zeros."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -85,8 +98,8 @@ class KVPool:
         if self.num_blocks < 1:
             raise ValueError("the KV pool must hold at least one block")
         shape = (self.num_blocks * block_size, num_kv_heads, head_dim)
-        slot_keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.width)]
-        slot_values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.width)]
+        slot_keys = [untouched_zeros(shape, dtype, device) for _ in range(self.width)]
+        slot_values = [untouched_zeros(shape, dtype, device) for _ in range(self.width)]
         self.keys: list[torch.Tensor] = [slot_keys[0]] * num_layers  # by model layer
         self.values: list[torch.Tensor] = [slot_values[0]] * num_layers
         self.group_of = [0] * num_layers
