@@ -121,3 +121,19 @@ def test_a_cached_calibration_that_no_longer_fits_is_measured_again(default_mode
     again = CostModel.load(path)
     assert again.seconds[0] < 2 * kept.seconds[0], (kept.seconds[0], again.seconds[0])
     assert second.policy.target_cost.seconds == again.seconds
+
+
+def test_a_timing_kept_on_another_cpu_is_never_read(default_model_source, monkeypatch, tmp_path):
+    """Kept timings are named by the processor (and threads, torch, dtype, weights): a cache volume moved
+    to another CPU has none for it, so that CPU measures its own."""
+    import torch
+
+    from specstream import calibration
+
+    converted = calibration.converted_source(default_model_source)
+    here = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
+    monkeypatch.setattr(calibration, "processor_name", lambda device: "Another CPU @ 2.0GHz")
+    there = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    more_threads = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
+    assert here is not None and len({here, there, more_threads}) == 3 and here.parent == there.parent

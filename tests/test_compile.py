@@ -220,6 +220,14 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
             _step(engine.runner, shape)
         assert [calls[k] - before[k] for k in fast_llama.KINDS] == [2, 2, 1, 1]  # one call per step
         assert fast.refused == {}
+    # A damaged file (a truncated write, a full disk) is compiled again, never trusted.
+    for p in kept:
+        p.write_bytes(p.read_bytes()[:100])
+    caplog.clear()
+    third = make_engine(tiny_model_dir, compile=True)
+    assert caplog.text.count("could not load") == len(kept) and "compiled decode steps ahead of time" in caplog.text
+    assert all(third.runner.fast._kept[kind] is not None for kind in fast_llama.KINDS)
+    assert [third.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
 
 
 def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compiled_calls(

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from specstream.model import loader as models
 from specstream.model.loader import ModelSource, converted_source, resolve_model
@@ -68,3 +69,27 @@ def test_changed_content_gets_a_new_cache(tmp_path, conversions):
 def test_non_gguf_sources_are_loaded_as_they_are(tiny_model_dir, conversions):
     source = resolve_model(str(tiny_model_dir))
     assert converted_source(source) is source and not conversions
+
+
+def test_a_damaged_conversion_is_converted_again(tmp_path, monkeypatch, tiny_model_dir, caplog):
+    """A conversion whose weights no longer load (a truncated file) is detected and made again from the
+    GGUF file, once; the model then loads as converted."""
+    monkeypatch.setenv("SPECSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    done: list[Path] = []
+
+    def convert(gguf: Path, target: Path, origin: str) -> None:  # the tiny model stands in for a dequantization
+        done.append(gguf)
+        shutil.copytree(tiny_model_dir, target)
+        (target / ".complete").write_text(origin)
+
+    monkeypatch.setattr(models, "_convert", convert)
+    source = resolve_model(str(gguf_file(tmp_path / "m.gguf", b"weights" * 1000)))
+    first = {k: v.clone() for k, v in models.load_model(source).state_dict().items()}
+    weights = Path(converted_source(source).path) / "model.safetensors"
+    truncated = weights.read_bytes()[:1000]
+    weights.unlink()  # a new file: the first model's weights may still be mapped from the old one
+    weights.write_bytes(truncated)
+    with caplog.at_level(logging.WARNING, logger="specstream.model.loader"):
+        second = models.load_model(source).state_dict()
+    assert len(done) == 2 and "does not load" in caplog.text and "converting it again" in caplog.text
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -126,8 +126,13 @@ def _build() -> Path:
         h.update(source.read_bytes())
     directory = cache_dir() / "kernels" / h.hexdigest()[:20]
     target = directory / "specstream_kernels.so"
+    digest = directory / "specstream_kernels.so.sha256"
     if target.is_file():
-        return target
+        if digest.is_file() and digest.read_text().strip() == _sha256(target):
+            return target
+        # Truncated, overwritten, or left by a build that never recorded its digest: never loaded as it is.
+        log.warning("the kept CPU kernel library %s does not match its digest: building it again", target)
+        target.unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
@@ -136,9 +141,14 @@ def _build() -> Path:
         done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
+        digest.write_text(_sha256(Path(tmp)) + "\n")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built specstream's CPU kernels into %s", directory)
     return target
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -183,12 +183,36 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    source = converted_source(source)
+    converted = converted_source(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(converted.path, dtype=dtype, **extra, **_load_kwargs(converted))
+    except Exception as exc:  # noqa: BLE001 - sorted below: a damaged conversion, or the model's own error
+        if _is_conversion(converted):
+            # Our own conversion of a GGUF file (the bundled model's too) no longer loads (a truncated file,
+            # a damaged disk): it is made again from the GGUF file, once.
+            logger.warning("the converted cache of '%s' does not load (%s): converting it again", source.name, exc)
+            shutil.rmtree(converted.path, ignore_errors=True)
+            again = converted_source(source) if source.gguf_file else resolve_model(source.name)
+            return _load_converted(again, dtype, device, extra)
+        if not isinstance(exc, (OSError, ValueError)):
+            raise
+        if _is_hub_id(converted):
+            raise ModelError(_hub_hint(converted.name)) from exc
+        raise ModelError(f"could not load model '{converted.name}': {exc}") from exc
+    return model.to(device).eval()
+
+
+def _is_conversion(source: ModelSource) -> bool:
+    """Whether source is a conversion specstream made into its cache (the bundled model, a GGUF file)."""
+    return (cache_dir() / "models").resolve() in Path(source.path).resolve().parents
+
+
+def _load_converted(source: ModelSource, dtype: torch.dtype, device, extra: dict):
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra, **_load_kwargs(source))
-    except (OSError, ValueError) as exc:
-        if _is_hub_id(source):
-            raise ModelError(_hub_hint(source.name)) from exc
+    except Exception as exc:  # noqa: BLE001 - a fresh conversion that does not load is the model's error
         raise ModelError(f"could not load model '{source.name}': {exc}") from exc
     return model.to(device).eval()
 
