@@ -7,6 +7,7 @@ Everything here runs once, at start-up; Engine (engine.py) holds the parts and r
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class EngineParts:
     scheduler: Scheduler
     processor: InputProcessor
     calibration_file: Path | None  # where the forward-time curve is kept between starts (None: not kept)
+    resident_memory: dict[str, int]  # the process's resident bytes after each start-up phase (ResidentMemory)
 
 
 class EngineBuilder:
@@ -73,9 +75,11 @@ class EngineBuilder:
     def build(self, log: bool = True) -> EngineParts:
         config, spec = self.config, self.config.speculative
         start = time.perf_counter()
+        resident = ResidentMemory()
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source, chat_template=config.chat_template)
         model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+        resident.mark("model")
         vocab_size = model.config.get_text_config().vocab_size
         eos_token_ids = eos_ids(model, tokenizer)
         kv_tokens = self.pool_tokens(model)
@@ -87,6 +91,7 @@ class EngineBuilder:
             self.device,
             windows=layer_windows(model),
         )
+        resident.mark("KV pool")
         # A sequence may take the pool's capacity, but at most its memory's worth (a pool whose every layer
         # is windowed holds a sequence of any length). A proposer's own pool holds as many positions.
         pool_positions = min(pool.capacity, kv_tokens)
@@ -95,9 +100,12 @@ class EngineBuilder:
         if max_model_len > pool.capacity:
             raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool ({pool.capacity} tokens)")
         runner, weights = self.make_runner(model, pool, source)
+        resident.mark("weights")
         forward = self.compile(runner)
+        resident.mark("compile")
         ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions)
         proposer = make_proposer(ctx)
+        resident.mark("proposer")
         # [structured] grammars, forced drafts, masks; a proposer's own logits are masked too
         structured = StructuredDecoding(tokenizer, vocab_size, eos_token_ids, forced_drafts=spec.forced_drafts)
         proposer.constrain(structured.mask_draft_logits)
@@ -115,16 +123,18 @@ class EngineBuilder:
             allow_special_tokens_in_content=config.allow_special_tokens_in_content,
             structured=structured,
         )
+        resident.mark("calibration")
         parts = EngineParts(
             config, self.device, self.dtype, tokenizer, model, vocab_size, eos_token_ids, pool, max_model_len,
             runner, proposer, structured, policy, Scheduler(config, pool, policy, proposer.release), processor, kept,
+            resident.phases,
         )
         if log:
             logger.info(
                 "engine ready in %.1f s: %s (%s, %s), speculation %s k<=%d, KV pool %s; weights %s; "
-                "forward %s; resident memory %.0f MiB",
+                "forward %s; resident memory %s",
                 time.perf_counter() - start, config.model, self.dtype, self.device, spec.method, k_max,
-                pool.describe(), weights, forward, quant.resident_bytes() / 2**20,
+                pool.describe(), weights, forward, resident.describe(),
             )
         return parts
 
@@ -188,6 +198,31 @@ class EngineBuilder:
         target_cost = calibration.forward_cost(runner, self.config.max_num_batched_tokens, kept)
         proposer.calibrate(target_cost, self.config.max_num_batched_tokens)
         return target_cost
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class ResidentMemory:
+    """The process's resident memory before start-up ("before": imports, and anything the process held
+    already) and after each phase: where a server's memory goes."""
+
+    def __init__(self) -> None:
+        self.phases = {"before": resident_bytes()}
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = resident_bytes()
+
+    def describe(self) -> str:
+        names, values = list(self.phases), list(self.phases.values())
+        steps = [f"{n} +{(v - p) / 2**20:.0f}" for n, v, p in zip(names[1:], values[1:], values)]
+        return f"{values[-1] / 2**20:.0f} MiB ({names[0]} {values[0] / 2**20:.0f}, {', '.join(steps)})"
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -71,6 +71,7 @@ class Engine:
         self.runner, self.proposer, self.structured = parts.runner, parts.proposer, parts.structured
         self.policy, self.scheduler, self.processor = parts.policy, parts.scheduler, parts.processor
         self.calibration_file = parts.calibration_file
+        self.resident_memory = parts.resident_memory  # bytes after each start-up phase
         self._requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
 

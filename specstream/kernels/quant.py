@@ -20,7 +20,6 @@ both, 8-bit blocks as two 4-bit planes (Int8Blocks.planes).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -308,12 +307,3 @@ def make_factory(
     if mode == "auto" and not source:
         return None
     return LinearFactory(mode, dtype, device, source, shared=(model.get_input_embeddings().weight,))
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
