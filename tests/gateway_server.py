@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -14,6 +15,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180, status: int = 200) -> None:
+    """Wait until url's /health answers status (200: ready; 503: up, loading); fail if proc exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url}/health did not answer {status}")
+
+
+def metric(url: str, prefix: str) -> float:
+    """The sum of a metric's samples (prefix: the sample name, with its labels to pick one)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 class LiveServer:

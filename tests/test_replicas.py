@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_server import free_port
+from gateway_server import free_port, metric, wait_healthy
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make setup installs it where apt-get and root are available)")
@@ -77,25 +77,6 @@ http {{
     }}
 }}
 """
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not become healthy")
-
-
-def metric(url: str, prefix: str) -> float:
-    """The sum of a metric's samples on one replica (prefix: the sample name up to its labels)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def finished_requests(url: str) -> float:

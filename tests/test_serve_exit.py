@@ -14,9 +14,15 @@ from pathlib import Path
 
 import httpx
 
-from gateway_server import free_port
+from gateway_server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def start(script: str, *args: str) -> subprocess.Popen:
+    """python tests/SCRIPT ARGS, its output piped."""
+    cmd = [sys.executable, str(ROOT / "tests" / script), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_env() -> dict:
@@ -34,23 +40,9 @@ def test_a_model_that_fails_to_load_exits_non_zero_with_the_message():
 def test_a_fatal_engine_error_after_start_exits_non_zero(tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "failing_server.py"), str(tiny_model_dir), str(port)],
-        cwd=ROOT,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start("failing_server.py", str(tiny_model_dir), str(port))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(url, proc, timeout=120)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
@@ -83,24 +75,10 @@ def test_a_port_in_use_exits_at_once_with_the_reason(tiny_model_dir):
 
 def test_sigterm_while_the_model_loads_ends_the_server():
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "slow_loading_server.py"), "unused-model-dir", str(port)],
-        cwd=ROOT,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start("slow_loading_server.py", "unused-model-dir", str(port))
     try:
         assert proc.stdout.readline().strip() == "loading"  # the engine thread is inside the (slow) load
-        deadline = time.monotonic() + 30
-        while True:  # and the server is up, answering "loading"
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=30, status=503)  # up, answering "loading"
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)  # the load had 50 s to go: nothing waits for it
     finally:
