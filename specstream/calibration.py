@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from specstream.cache import cache_dir, load_json, processor_name, save_json
 from specstream.memory.kv import KVPool
 from specstream.model.loader import ModelSource, converted_source
-from specstream.cache import cache_dir, load_json, processor_name, save_json
 from specstream.model.runner import ForwardItem, ModelRunner
 
 log = logging.getLogger(__name__)
