@@ -1,4 +1,4 @@
-// Helpers shared by specstream's CPU kernels (cpu_kernels.py builds every .cpp here into one library).
+// Helpers shared by specstream's CPU kernels (kernels/cpu.py builds every .cpp here into one library).
 #pragma once
 
 #include <ATen/ATen.h>
