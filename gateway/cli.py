@@ -158,11 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        # The port first: a server that cannot listen exits now, before it loads anything.
-        sock = listen_socket(args.host, args.port)
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+    # The port first: a server that cannot listen exits now, before it loads anything.
+    sock = _listen_or_say_why(args.host, args.port)
+    if sock is None:
         return 1
     from specstream import ModelError, check_draft_head, resolve_model
     from specstream.model.loader import read_chat_template
@@ -204,6 +202,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _listen_or_say_why(host: str, port: int) -> socket.socket | None:
+    """listen_socket, or None after saying on stderr why it could not be bound."""
+    try:
+        return listen_socket(host, port)
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+
+
 def serve(
     engine: AsyncEngine,
     settings: GatewaySettings,
@@ -227,12 +234,9 @@ def serve(
         failures.append(exc)
         server.should_exit = True
 
+    sock = sock or _listen_or_say_why(host, port)
     if sock is None:
-        try:
-            sock = listen_socket(host, port)
-        except OSError as exc:
-            print(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-            return 1
+        return 1
     app = create_app(engine, settings, on_engine_failure=stop_on_failure)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)

@@ -180,12 +180,10 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
 ):
-    from transformers import AutoModelForCausalLM
-
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     converted = converted_source(source)
     try:
-        model = AutoModelForCausalLM.from_pretrained(converted.path, dtype=dtype, **extra, **_load_kwargs(converted))
+        model = _from_pretrained(converted, dtype, extra)
     except Exception as exc:  # noqa: BLE001 - sorted below: a damaged conversion, or the model's own error
         if _is_conversion(converted):
             # Our own conversion of a GGUF file (the bundled model's too) no longer loads (a truncated file,
@@ -193,7 +191,11 @@ def load_model(
             logger.warning("the converted cache of '%s' does not load (%s): converting it again", source.name, exc)
             shutil.rmtree(converted.path, ignore_errors=True)
             again = converted_source(source) if source.gguf_file else resolve_model(source.name)
-            return _load_converted(again, dtype, device, extra)
+            try:
+                model = _from_pretrained(again, dtype, extra)
+            except Exception as retry:  # noqa: BLE001 - a fresh conversion that does not load is the model's error
+                raise ModelError(f"could not load model '{again.name}': {retry}") from retry
+            return model.to(device).eval()
         if not isinstance(exc, (OSError, ValueError)):
             raise
         if _is_hub_id(converted):
@@ -202,19 +204,15 @@ def load_model(
     return model.to(device).eval()
 
 
+def _from_pretrained(source: ModelSource, dtype: torch.dtype, extra: dict):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra, **_load_kwargs(source))
+
+
 def _is_conversion(source: ModelSource) -> bool:
     """Whether source is a conversion specstream made into its cache (the bundled model, a GGUF file)."""
     return (cache_dir() / "models").resolve() in Path(source.path).resolve().parents
-
-
-def _load_converted(source: ModelSource, dtype: torch.dtype, device, extra: dict):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra, **_load_kwargs(source))
-    except Exception as exc:  # noqa: BLE001 - a fresh conversion that does not load is the model's error
-        raise ModelError(f"could not load model '{source.name}': {exc}") from exc
-    return model.to(device).eval()
 
 
 def gguf_file(source: ModelSource) -> Path | None:
