@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of text already handed out
         self._searched = 0  # characters of text already searched for stop strings
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text (the earliest found)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -49,10 +50,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         if self.stop:
             start = max(0, self._searched - self._hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             self._searched = len(self.text)
             if hits:
-                self.text = self.text[: min(hits)]
+                index, self.matched = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[:index]
                 self.stopped = True
         return self.stopped
 

@@ -57,4 +57,4 @@ def test_earliest_of_several_stop_strings_wins(tokenizers):
     for t in tok.encode("hello world"):
         if d.add(t):
             break
-    assert d.text == "hel"
+    assert d.text == "hel" and d.matched == "lo"

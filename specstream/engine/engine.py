@@ -357,6 +357,7 @@ class Engine:
             usage=_usage(seq) if finished else None,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
             logprobs=token_logprobs(logits, new, top) if top is not None else None,
+            stop_string=seq.detokenizer.matched if finished else None,
         )
 
     def _finish(self, seq: Sequence) -> None:

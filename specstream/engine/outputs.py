@@ -32,7 +32,8 @@ class TokenLogprob:
 class StreamChunk:
     """The tokens one sequence gained in one round (several when drafts were accepted), with
     that round's drafted/accepted counts. The last chunk of a request carries finish_reason
-    ("stop", "length", "abort" or "error") and usage; error is set when this request failed."""
+    ("stop", "length", "abort" or "error"), usage and, when a stop string ended it, that string;
+    error is set when this request failed."""
 
     request_id: str
     text: str
@@ -45,6 +46,7 @@ class StreamChunk:
     prompt_token_ids: list[int] | None = None  # on a request's first chunk only
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     num_forced: int = 0  # [structured] of num_drafted, the tokens a grammar forced
+    stop_string: str | None = None  # on the last chunk: the stop string that ended the request, if one did
 
     @property
     def finished(self) -> bool:
