@@ -327,6 +327,17 @@ class AsyncEngine:
             last = chunk
         return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
 
+    async def encode(self, prompt) -> list[int]:
+        """The token ids stream() would give prompt (a string, chat messages or a ChatPrompt), bounded the
+        same way, tokenized on the tokenizer thread; raises InvalidRequestError or EngineDeadError."""
+        self._check_accepting()
+        return await self._loop.run_in_executor(self._tokenizing, self._processor.encode, prompt)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids (within the vocabulary, fewer than the context) as text, on the tokenizer thread."""
+        self._check_accepting()
+        return await self._loop.run_in_executor(self._tokenizing, self._processor.decode, token_ids)
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a last chunk whose finish_reason is "abort"."""
         engine_id = self._active.get(request_id)

@@ -134,6 +134,10 @@ class InputProcessor:
         self._check_tokens(len(ids))
         return ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens included), refused like a prompt of token ids when malformed."""
+        return self.tokenizer.decode(self._token_ids(token_ids))
+
     def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         chars = 0
         if tools is not None:
