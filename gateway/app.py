@@ -84,6 +84,8 @@ async def supervise(state: ServingState, on_failure: Callable[[BaseException], N
             on_failure(exc)
             return
         log.info("model '%s' loaded; serving as '%s'", engine.model_name, state.model_name)
+    if engine.state == "ready":  # vLLM labels its series with the name clients send
+        engine.metrics.vllm.model_name = state.model_name
     failure = await engine.wait_failed()
     log.error("the engine failed and cannot serve any more: %r", failure)
     on_failure(failure)

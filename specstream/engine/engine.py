@@ -20,7 +20,7 @@ import torch
 
 from specstream.config import EngineConfig
 from specstream.engine.builder import EngineBuilder
-from specstream.engine.metrics import EngineMetrics
+from specstream.engine.metrics import CacheConfigInfo, EngineMetrics
 from specstream.engine.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.engine.processor import ChatPrompt
 from specstream.engine.scheduler import StepPlan
@@ -73,7 +73,13 @@ class Engine:
         self.calibration_file = parts.calibration_file
         self.resident_memory = parts.resident_memory  # bytes after each start-up phase
         self._requests: dict[str, Sequence] = {}
-        self.metrics = EngineMetrics()
+        cache = CacheConfigInfo(
+            self.pool.block_size,
+            self.pool.num_blocks,
+            self.scheduler.prefix_cache is not None,
+            str(self.dtype).removeprefix("torch."),
+        )
+        self.metrics = EngineMetrics(model_name=self.config.model, cache=cache)
 
     # ---------------------------------------------------------------------- requests
     def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
@@ -377,9 +383,7 @@ class Engine:
         return StreamChunk(seq.request_id, "", [], 0, 0, "error", usage, error=error)
 
     def _update_gauges(self) -> None:
-        self.metrics.num_running.set(len(self.scheduler.running))
-        self.metrics.num_waiting.set(len(self.scheduler.waiting))
-        self.metrics.kv_usage.set(self.pool.usage)
+        self.metrics.observe_batch(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage)
         self.metrics.observe_prefix_cache(self.scheduler.prefix_cache)
 
     # ---------------------------------------------------------------------- generate

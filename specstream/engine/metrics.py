@@ -1,19 +1,39 @@
-"""Prometheus metrics of one engine, in a registry of its own (no process globals), named
-after vLLM's where the meaning is the same."""
+"""Prometheus metrics of one engine, in a registry of its own (no process globals): specstream_*
+series named after vLLM's where the meaning is the same, and VllmSeries, the vllm:* series that
+routers built for vLLM read, under vLLM's own names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specstream.memory.prefix_cache import PrefixCache, PrefixCacheStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass(frozen=True)
+class CacheConfigInfo:
+    """The KV pool's geometry, labelled on vllm:cache_config_info as vLLM's CacheConfig names it."""
+
+    block_size: int
+    num_gpu_blocks: int  # every block of the pool, whatever the device (vLLM's name)
+    enable_prefix_caching: bool
+    cache_dtype: str
+
+
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, model_name: str = "", cache: CacheConfigInfo | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # The latest observation of the batch, read by VllmSeries at scrape time.
+        self.running, self.waiting, self.kv_cache_usage = 0, 0, 0.0
+        self.prefix_totals = PrefixCacheStats()
         self.time_to_first_token = Histogram(
             "specstream_time_to_first_token_seconds", "Time from request arrival to its first chunk.", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -59,16 +79,24 @@ class EngineMetrics:
         self.prefix_cache_hits = Counter(
             "specstream_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.", registry=r
         )
-        self._prefix_seen = PrefixCacheStats()
+        self.vllm = VllmSeries(self, model_name, cache)
+        r.register(self.vllm)
+
+    def observe_batch(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The scheduler's running and waiting counts and the KV pool's usage, after a change."""
+        self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
+        self.num_running.set(running)
+        self.num_waiting.set(waiting)
+        self.kv_usage.set(kv_cache_usage)
 
     def observe_prefix_cache(self, cache: PrefixCache | None) -> None:
         """Advance the prefix-cache counters to the cache's running totals."""
         if cache is None:
             return
-        stats, seen = cache.stats, self._prefix_seen
+        stats, seen = cache.stats, self.prefix_totals
         self.prefix_cache_queries.inc(stats.queries - seen.queries)
         self.prefix_cache_hits.inc(stats.hits - seen.hits)
-        self._prefix_seen = PrefixCacheStats(stats.queries, stats.hits)
+        self.prefix_totals = PrefixCacheStats(stats.queries, stats.hits)
 
     def record_round(
         self, num_drafted: int, num_accepted: int, num_tokens: int, method: str = "", num_forced: int = 0
@@ -85,3 +113,59 @@ class EngineMetrics:
                 self.num_draft_tokens_per_pos.labels(position=str(pos), method=method).inc()
             for pos in range(num_accepted):
                 self.num_accepted_tokens_per_pos.labels(position=str(pos), method=method).inc()
+
+
+class VllmSeries:
+    """The series that routers built for vLLM score pods by (the Gateway API Inference Extension's
+    endpoint picker; vLLM's production-stack router), with vLLM's names, types, labels and meanings
+    (vllm/v1/metrics/loggers.py), so either routes to specstream as to vLLM:
+
+    - vllm:num_requests_running, vllm:num_requests_waiting: sequences in the running batch, and
+      requests queued for admission (not those still being tokenized);
+    - vllm:kv_cache_usage_perc, and vllm:gpu_cache_usage_perc (its older name, still read by the
+      production-stack router): the fraction of KV blocks in use, 0..1; blocks the prefix cache
+      keeps but no sequence holds count as free, as in vLLM;
+    - vllm:prefix_cache_queries and _hits, and the older vllm:gpu_prefix_cache_queries and _hits:
+      counters in tokens, prompt tokens looked up at a request's first admission and those found;
+    - vllm:cache_config_info: gauge 1 whose labels carry block_size and num_gpu_blocks (the
+      endpoint picker's prefix scorer sizes its index from them).
+
+    A prometheus collector over EngineMetrics' latest observations: model_name (vLLM's label: the
+    served model name) may be set after the engine starts, and no stale label set is left behind.
+    """
+
+    def __init__(self, metrics: EngineMetrics, model_name: str, cache: CacheConfigInfo | None) -> None:
+        self.metrics, self.model_name, self.cache = metrics, model_name, cache
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        # vLLM labels each series with the served model and its engine core's index (one here).
+        labels = {"model_name": self.model_name, "engine": "0"}
+
+        def series(kind, name: str, doc: str, value: float) -> Metric:
+            metric = kind(name, doc, labels=list(labels))
+            metric.add_metric(list(labels.values()), value)
+            return metric
+
+        usage = "KV-cache usage. 1 means 100 percent usage."
+        yield series(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.", m.running)
+        yield series(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting)
+        yield series(GaugeMetricFamily, "vllm:kv_cache_usage_perc", usage, m.kv_cache_usage)
+        yield series(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", usage + " (vLLM's older name)", m.kv_cache_usage)
+        queries, hits = m.prefix_totals.queries, m.prefix_totals.hits
+        for prefix in ("vllm:", "vllm:gpu_"):
+            yield series(CounterMetricFamily, f"{prefix}prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
+            yield series(CounterMetricFamily, f"{prefix}prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
+        if self.cache is not None:
+            c = self.cache
+            info = {
+                "block_size": str(c.block_size),
+                "num_gpu_blocks": str(c.num_gpu_blocks),
+                "num_cpu_blocks": "0",
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "cache_dtype": c.cache_dtype,
+                "engine": "0",
+            }
+            config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
+            config.add_metric(list(info.values()), 1)
+            yield config
