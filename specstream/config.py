@@ -80,6 +80,9 @@ class EngineConfig:
     start-up and cached on disk by inductor. On by default; the environment variable
     SPECSTREAM_COMPILE=0 turns the default off (the test suite does, to start engines fast). Ignored
     in invariant mode and for models that run through transformers' modules.
+    compile_in_background: with compile, build the engine with the eager forward and compile in a thread of
+    its own while it serves; the compiled steps are installed between two steps once ready (the server's
+    default: a first start serves within seconds of loading instead of after the compile).
     """
 
     model: str = "smollm2-135m"
@@ -100,6 +103,7 @@ class EngineConfig:
     quantization: str = "auto"
     deterministic: bool = False
     compile: bool = field(default_factory=lambda: os.environ.get("SPECSTREAM_COMPILE", "1").lower() not in ("0", "false", "no"))
+    compile_in_background: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -1,8 +1,9 @@
-"""The compiled forward (EngineConfig.compile, FastLlama.compile): a short step runs every layer in
+"""The compiled forward (EngineConfig.compile, compiled_steps.CompiledSteps): a short step runs every layer in
 one call, compiled ahead of time and kept on disk (torch.compile'd layers where that fails). It must give the tokens the eager forward gives, cover
 every short step with the graphs traced at start-up (no compile while serving), leave long steps
 eager, and fall back to eager where compiling fails."""
 
+import asyncio
 import os
 import shutil
 
@@ -60,7 +61,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 def test_compiled_greedy_tokens_equal_eager_alone_and_batched(tiny_model_dir, compiled):
     assert compiled.runner.fast.compiled_rows > 0
-    assert compiled.runner.fast.math.attention_kernel  # short steps attend with cpu_kernels' short_attention
+    assert compiled.runner.fast.steps.math.attention_kernel  # short steps attend with cpu_kernels' short_attention
     eager = make_engine(tiny_model_dir, compile=False)
     assert eager.runner.fast.compiled_rows == 0
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -91,7 +92,7 @@ def test_the_start_up_graphs_cover_every_short_step(compiled):
     length, any number of sequences, any run length up to the limit, any mix."""
     runner = compiled.runner
     rows = runner.fast.compiled_rows
-    runner.fast.unseen_shape_stance = "fail_on_recompile"  # raises where a step would need a new graph
+    runner.fast.steps.unseen_shape_stance = "fail_on_recompile"  # raises where a step would need a new graph
     graphs = counters["stats"]["unique_graphs"]
     try:
         for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, rows)], [(3, 1)] * rows, [(40, 2), (90, 1), (7, 5)],
@@ -99,7 +100,7 @@ def test_the_start_up_graphs_cover_every_short_step(compiled):
             if sum(n for _, n in shape) <= rows:
                 _step(runner, shape)
     finally:
-        runner.fast.unseen_shape_stance = "eager_on_recompile"
+        runner.fast.steps.unseen_shape_stance = "eager_on_recompile"
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -113,7 +114,7 @@ def test_compiled_steps_hand_the_draft_head_the_same_hidden_states(tiny_model_di
     """aux_layers (what an EAGLE head reads: the residual stream entering some layers) come out of the
     compiled calls, which run several layers each, as out of the eager forward."""
     eager = make_engine(tiny_model_dir, compile=False).runner
-    assert len(compiled.runner.fast._spans) < len(compiled.runner.fast.layers)  # several layers per call
+    assert len(compiled.runner.fast.steps.spans) < len(compiled.runner.fast.layers)  # several layers per call
     got, want = _aux_step(compiled.runner), _aux_step(eager)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -143,34 +144,34 @@ def test_int4_kernels_run_inside_the_compiled_layer(tiny_model_dir, fresh_cache,
     monkeypatch.setattr(routes, "_faster_packed", lambda *args: True)  # route every size to the packed kernel
     engine = make_engine(tiny_model_dir, compile=True, dtype="bfloat16", quantization="int4", method="off")
     fast = engine.runner.fast
-    assert fast.compiled_rows > 0 and {k[0] for layer in fast._kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {kernel}
+    assert fast.compiled_rows > 0 and {k[0] for layer in fast.steps.kernels for k in (layer[1], layer[2], layer[4], layer[5])} == {kernel}
     out = _step(engine.runner, [(20, 3)])
-    fast_compiled = fast._compiled
-    fast._compiled = None  # the same weights, eager
+    fast_compiled = fast.steps
+    fast.steps = None  # the same weights, eager
     try:
         want = _step(engine.runner, [(20, 3)])
     finally:
-        fast._compiled = fast_compiled
+        fast.steps = fast_compiled
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, rtol=0.05, atol=0.15)
 
 
 def _count_kept_calls(fast) -> dict:
-    calls = dict.fromkeys(fast._kept, 0)
-    for kind, fn in list(fast._kept.items()):
+    calls = dict.fromkeys(fast.steps.kept, 0)
+    for kind, fn in list(fast.steps.kept.items()):
 
         def counted(*args, _fn=fn, _kind=kind):
             calls[_kind] += 1
             return _fn(*args)
 
         counted.guard_check = fn.guard_check
-        fast._kept[kind] = counted
+        fast.steps.kept[kind] = counted
     return calls
 
 
 def test_long_steps_stay_eager(compiled):
     fast = compiled.runner.fast
-    kept = dict(fast._kept)
+    kept = dict(fast.steps.kept)
     calls = _count_kept_calls(fast)
     try:
         _step(compiled.runner, [(0, fast.compiled_rows + 1)])
@@ -180,7 +181,7 @@ def test_long_steps_stay_eager(compiled):
         _step(compiled.runner, [(4, 1)])
         assert calls["decode"] == 1
     finally:
-        fast._kept = kept
+        fast.steps.kept = kept
 
 
 def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_disk(tiny_model_dir, fresh_cache, caplog):
@@ -210,7 +211,7 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
     assert not stale.exists() and all(p.exists() for p in kept)
     for engine in (first, second):
         fast = engine.runner.fast
-        assert all(fast._kept[kind] is not None for kind in fast_llama.KINDS)
+        assert all(fast.steps.kept[kind] is not None for kind in fast_llama.KINDS)
         calls = _count_kept_calls(fast)
         assert [engine.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
         assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
@@ -219,14 +220,14 @@ def test_every_short_step_runs_a_function_compiled_ahead_of_time_and_kept_on_dis
         for shape in ([(5, 1)], [(300, 1)], [(9, 7)], [(200, fast.compiled_rows)], [(40, 1), (90, 1)], [(40, 2), (7, 5)]):
             _step(engine.runner, shape)
         assert [calls[k] - before[k] for k in fast_llama.KINDS] == [2, 2, 1, 1]  # one call per step
-        assert fast.refused == {}
+        assert fast.steps.refused == {}
     # A damaged file (a truncated write, a full disk) is compiled again, never trusted.
     for p in kept:
         p.write_bytes(p.read_bytes()[:100])
     caplog.clear()
     third = make_engine(tiny_model_dir, compile=True)
     assert caplog.text.count("could not load") == len(kept) and "compiled decode steps ahead of time" in caplog.text
-    assert all(third.runner.fast._kept[kind] is not None for kind in fast_llama.KINDS)
+    assert all(third.runner.fast.steps.kept[kind] is not None for kind in fast_llama.KINDS)
     assert [third.generate(p, greedy)[0].token_ids for p in PROMPTS] == want
 
 
@@ -239,7 +240,7 @@ def test_a_function_that_fails_to_compile_ahead_of_time_leaves_the_torch_compile
     monkeypatch.setattr(kept_steps, "saveable_guards", refuse)  # fails inside the ahead-of-time compile
     engine = make_engine(tiny_model_dir, compile=True, method="off")
     fast = engine.runner.fast
-    assert fast._kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0 and fast.refused == {}
+    assert fast.steps.kept == dict.fromkeys(fast_llama.KINDS) and fast.compiled_rows > 0 and fast.steps.refused == {}
     assert "take the per-layer torch.compile'd calls" in caplog.text
     eager = make_engine(tiny_model_dir, compile=False, method="off")
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -258,7 +259,7 @@ def test_a_failed_compile_leaves_the_eager_forward(tiny_model_dir, fresh_cache, 
 
     monkeypatch.setattr(torch, "compile", compile_that_fails)
     engine = make_engine(tiny_model_dir, compile=True, method="off")
-    assert engine.runner.fast.compiled_rows == 0 and engine.runner.fast._compiled is None
+    assert engine.runner.fast.compiled_rows == 0 and engine.runner.fast.steps is None
     assert "compiling the forward failed" in caplog.text and "no C++ compiler" in caplog.text
     assert len(engine.generate("Paris", SamplingParams(max_tokens=5, temperature=0))[0].token_ids) == 5
 
@@ -275,7 +276,7 @@ def test_compile_defaults_and_invariant_mode(tiny_model_dir, monkeypatch):
     assert build_parser().parse_args(["serve"]).compile is False
     # Invariant mode tiles every step: it stays eager.
     engine = make_engine(tiny_model_dir, compile=True, method="off", deterministic=True)
-    assert engine.runner.fast._compiled is None
+    assert engine.runner.fast.steps is None
 
 
 def test_without_the_cpu_kernel_the_compiled_steps_attend_with_torch_ops(tiny_model_dir, fresh_cache, monkeypatch):
@@ -283,8 +284,43 @@ def test_without_the_cpu_kernel_the_compiled_steps_attend_with_torch_ops(tiny_mo
     the torch version of the short steps' attention, with the eager forward's tokens."""
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     engine = make_engine(tiny_model_dir, compile=True)
-    assert engine.runner.fast.compiled_rows > 0 and not engine.runner.fast.math.attention_kernel
+    assert engine.runner.fast.compiled_rows > 0 and not engine.runner.fast.steps.math.attention_kernel
     greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     eager = make_engine(tiny_model_dir, compile=False)
     want = [o.token_ids for o in eager.generate(PROMPTS, greedy)]
     assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
+
+
+def test_a_background_compile_serves_eager_then_installs_the_compiled_steps(tiny_model_dir, fresh_cache, caplog):
+    """compile_in_background (the server's default): the engine is built with the eager forward and serves at
+    once; the compiled steps are installed between two steps once ready and priced again when idle, with
+    the eager forward's tokens throughout, and the warm-up's scratch blocks are given back."""
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in make_engine(tiny_model_dir, compile=False).generate(PROMPTS, greedy)]
+    caplog.set_level("INFO", logger="specstream")
+    engine = make_engine(tiny_model_dir, compile=True, compile_in_background=True)
+    assert engine.forward_description == "eager (compiling in the background)"
+    free = engine.pool.num_free_blocks
+    eager_cost = engine.policy.target_cost
+    assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want  # may straddle the install
+    engine.upgrade(wait=True)
+    assert not engine.compiling and engine.runner.fast.compiled_rows > 0
+    assert engine.forward_description.startswith("compiled") and "the forward runs compiled" in caplog.text
+    assert engine.pool.num_free_blocks > free  # the warm-up's two scratch sequences are freed
+    engine.idle()
+    assert engine.priced and engine.policy.target_cost is not eager_cost  # the compiled forward, priced
+    assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
+
+
+async def test_the_async_engine_installs_a_background_compile_when_idle(tiny_model_dir, fresh_cache):
+    from specstream import AsyncEngine
+
+    engine = make_engine(tiny_model_dir, compile=True, compile_in_background=True)
+    async with AsyncEngine(engine=engine) as served:
+        chunks = [c async for c in served.stream("Paris", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+        assert sum(len(c.token_ids) for c in chunks) == 8
+        for _ in range(1200):  # the engine thread looks every half second while idle
+            if not engine.compiling and engine.priced:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.runner.fast.compiled_rows > 0 and engine.priced

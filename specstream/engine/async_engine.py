@@ -42,6 +42,9 @@ from specstream.sequence import Sequence, SpecStats
 
 logger = logging.getLogger(__name__)
 
+# Seconds between looks at a background compile while the engine has no work (Engine.idle installs it).
+_COMPILE_POLL = 0.5
+
 
 def _settle(loop: asyncio.AbstractEventLoop, ready: asyncio.Future, exc: BaseException | None) -> None:
     """From the engine thread: resolve start()'s future, unless start() stopped waiting for it (a
@@ -415,6 +418,7 @@ class AsyncEngine:
         self._running = True
         _settle(loop, ready, None)
         engine = self.engine
+        idle = False  # engine.idle() ran since the last step
         try:
             while not self._stopping:
                 self._wakeup.clear()
@@ -422,8 +426,13 @@ class AsyncEngine:
                 if handed:
                     loop.call_soon_threadsafe(self._deliver, handed)
                 if not engine.has_unfinished():
-                    self._wakeup.wait()
+                    if not idle or engine.compiling:
+                        engine.idle()
+                        idle = not engine.compiling
+                    # While a compile runs in the background, look again now and then to install it.
+                    self._wakeup.wait(_COMPILE_POLL if engine.compiling else None)
                     continue
+                idle = False
                 chunks = engine.step()
                 if chunks:
                     loop.call_soon_threadsafe(self._deliver, [(c.request_id, c) for c in chunks])

@@ -22,6 +22,7 @@ from specstream.config import EngineConfig
 from specstream.engine.processor import InputProcessor
 from specstream.engine.scheduler import Scheduler
 from specstream.kernels import quant, routes
+from specstream.memory.heap import release_free_heap
 from specstream.memory.kv import KVPool
 from specstream.model import fast_llama
 from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
@@ -63,7 +64,9 @@ class EngineParts:
     scheduler: Scheduler
     processor: InputProcessor
     calibration_file: Path | None  # where the forward-time curve is kept between starts (None: not kept)
+    pricing: Pricing  # prices the forward again once a background compile is installed
     resident_memory: dict[str, int]  # the process's resident bytes after each start-up phase (ResidentMemory)
+    forward: str = "eager"  # what the forward runs (runner.compile's description)
 
 
 class EngineBuilder:
@@ -109,8 +112,8 @@ class EngineBuilder:
         # [structured] grammars, forced drafts, masks; a proposer's own logits are masked too
         structured = StructuredDecoding(tokenizer, vocab_size, eos_token_ids, forced_drafts=spec.forced_drafts)
         proposer.constrain(structured.mask_draft_logits)
-        kept = self.calibration_file(source, f"{weights}; {forward}", pool)
-        target_cost = self.calibrate(runner, proposer, kept)
+        pricing = Pricing(self, source, weights, runner, proposer)
+        target_cost, kept = pricing.price(forward)
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost)
         processor = InputProcessor(
@@ -127,7 +130,7 @@ class EngineBuilder:
         parts = EngineParts(
             config, self.device, self.dtype, tokenizer, model, vocab_size, eos_token_ids, pool, max_model_len,
             runner, proposer, structured, policy, Scheduler(config, pool, policy, proposer.release), processor, kept,
-            resident.phases,
+            pricing, resident.phases, forward,
         )
         if log:
             logger.info(
@@ -179,7 +182,7 @@ class EngineBuilder:
             return "eager"
         if self.config.deterministic:
             return "eager (invariant mode)"
-        return runner.compile()
+        return runner.compile(background=self.config.compile_in_background)
 
     def calibration_file(self, source: ModelSource, weights: str, pool: KVPool) -> Path | None:
         """Where the target's forward-time curve is kept between starts, keyed by the weight kernels,
@@ -189,15 +192,32 @@ class EngineBuilder:
             "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan]
         )
 
-    def calibrate(self, runner: ModelRunner, proposer: Proposer, kept: Path | None) -> CostModel | None:
-        """The target's forward-time curve, and the proposer's own costs measured against it; None where
-        k is not adaptive (no draft is priced)."""
-        spec = self.config.speculative
+
+
+@dataclass
+class Pricing:
+    """What the target's forward costs, and the proposer's own steps measured against it, for the forward
+    that serves: at start-up, and again once a background compile changes it (Engine.idle)."""
+
+    builder: EngineBuilder
+    source: ModelSource
+    weights: str  # the weights' kernels, as the log names them
+    runner: ModelRunner
+    proposer: Proposer
+
+    def price(self, forward: str) -> tuple[CostModel | None, Path | None]:
+        """The forward-time curve (None where k is not adaptive: no draft is priced) and the file it is
+        kept in between starts. A forward still compiling in the background is priced as eager."""
+        config = self.builder.config
+        spec = config.speculative
+        if forward.startswith("eager"):
+            forward = "eager"
+        kept = self.builder.calibration_file(self.source, f"{self.weights}; {forward}", self.runner.pool)
         if not (spec.enabled and spec.adaptive):
-            return None
-        target_cost = calibration.forward_cost(runner, self.config.max_num_batched_tokens, kept)
-        proposer.calibrate(target_cost, self.config.max_num_batched_tokens)
-        return target_cost
+            return None, kept
+        target_cost = calibration.forward_cost(self.runner, config.max_num_batched_tokens, kept)
+        self.proposer.calibrate(target_cost, config.max_num_batched_tokens)
+        return target_cost, kept
 
 
 def resident_bytes() -> int:
@@ -217,6 +237,7 @@ class ResidentMemory:
         self.phases = {"before": resident_bytes()}
 
     def mark(self, phase: str) -> None:
+        release_free_heap()  # what a phase keeps, not the temporaries it freed (memory/heap.py)
         self.phases[phase] = resident_bytes()
 
     def describe(self) -> str:

@@ -24,6 +24,7 @@ from specstream.engine.metrics import CacheConfigInfo, EngineMetrics
 from specstream.engine.outputs import RequestOutput, StreamChunk, TokenLogprob, Usage
 from specstream.engine.processor import ChatPrompt
 from specstream.engine.scheduler import StepPlan
+from specstream.memory.heap import release_free_heap
 from specstream.sequence import Sequence
 from specstream.errors import InvalidRequestError
 from specstream.model.runner import ForwardItem
@@ -71,6 +72,9 @@ class Engine:
         self.runner, self.proposer, self.structured = parts.runner, parts.proposer, parts.structured
         self.policy, self.scheduler, self.processor = parts.policy, parts.scheduler, parts.processor
         self.calibration_file = parts.calibration_file
+        self.pricing = parts.pricing
+        self.forward_description = parts.forward
+        self.priced = True  # False: the forward changed (a background compile) since it was last priced
         self.resident_memory = parts.resident_memory  # bytes after each start-up phase
         self._requests: dict[str, Sequence] = {}
         cache = CacheConfigInfo(
@@ -121,10 +125,39 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    # ---------------------------------------------------------------- between steps
+    def upgrade(self, wait: bool = False) -> bool:
+        """Install a background compile once it has finished (wait: once it finishes); whether the forward
+        changed. Its price is measured again at the next idle() (the eager forward's serves until then)."""
+        forward = self.runner.install_compiled(wait)
+        if forward is None:
+            return False
+        self.priced = False
+        self.forward_description = forward
+        return True
+
+    @property
+    def compiling(self) -> bool:
+        return self.runner.compiling
+
+    def idle(self) -> None:
+        """Work for a moment without requests: install a finished background compile, price a forward that
+        changed (timing steps on scratch blocks: a few seconds the first time, milliseconds with a kept
+        curve), and hand freed heap memory back to the system."""
+        self.upgrade()
+        if not self.priced:
+            self.priced = True
+            cost, kept = self.pricing.price(self.forward_description)
+            self.calibration_file = kept
+            if cost is not None:
+                self.policy.target_cost = cost
+        release_free_heap()
+
     # -------------------------------------------------------------------------- step
     def step(self) -> list[StreamChunk]:
         """One round over every running sequence: schedule, propose, forward, verify, update.
         Returns a chunk per sequence that gained tokens or failed."""
+        self.upgrade()
         plan = self._schedule()
         if plan.empty:
             self._update_gauges()

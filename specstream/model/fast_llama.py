@@ -14,24 +14,18 @@ ones that do.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import time
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specstream.kernels import cpu as cpu_kernels
-from specstream.kernels import quant
-from specstream.model import attention, kept_steps
-from specstream.model.attention import StepContext, attend, attend_short, explicit_pays
-from specstream.kernels.quant import Kernel, Linear, project
+from specstream.model.attention import StepContext, attend, attend_short
+from specstream.kernels.quant import Linear, project
 
 log = logging.getLogger("specstream.model.fast_llama")
 
@@ -185,188 +179,26 @@ class FastLlama:
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
-        # The compiled layer (see compile()): None until compiled.
-        self._compiled = None
-        # The functions compiled ahead of time, by kind of step (KINDS); None where building one failed
-        # (those steps take the torch.compile'd calls). kept_dir: where they are kept between starts
-        # (set by the runner). _uniform: every layer has the same kernels, so a function whose guards
-        # pass for one layer passes for all.
-        self.whole_steps = True
-        self.kept_dir: Path | None = None
-        self._kept: dict[str, Any] = {}
-        self._uniform = False
-        self.refused: dict[str, int] = {}  # steps per kind whose kept function's guards refused them
-        self._kernels: list[tuple[torch.Tensor, Kernel, Kernel, torch.Tensor, Kernel, Kernel]] = []
-        self._spans: list[range] = []  # the layers each compiled call runs
-        self.compiled_rows = 0
-        self._warming = False
-        # What a short step does when no traced graph fits it: run eager (tests make it fail instead).
-        self.unseen_shape_stance = "eager_on_recompile"
+        # The compiled short steps (compiled_steps.CompiledSteps), installed whole once built and warmed up;
+        # None: every step runs eager. A thread warming up steps not yet installed sees them through
+        # _local (warming()), every other thread sees `steps`.
+        self.steps = None
+        self._local = threading.local()
 
-    # ------------------------------------------------------------------ compiled layer
-    def compile(self, layers_per_graph: int = 1, whole_steps: bool = True) -> None:
-        """Route short steps through the compiled layer (whole_steps: through the kept functions first).
+    # ------------------------------------------------------------------ compiled steps
+    @property
+    def compiled_rows(self) -> int:
+        """The most rows a step may have and run compiled (0: none does)."""
+        return self.steps.rows if self.steps is not None else 0
 
-        A decode or verification step of a small model on a CPU is mostly overhead: each layer runs
-        about sixty small ops (norms, rotary, residuals, casts, attention's gathers), each dispatched from
-        Python. Compiled (inductor), a layer becomes a few fused loops around the projections' kernels.
-        The layer is one function of tensors: its weights come in as arguments (each projection as a
-        quant.Kernel), so one graph serves all layers (layers_per_graph of them per call); sizes that
-        vary (rows, sequences, context) are traced symbolically, and a graph is specialized only where a size is 1 (a lone decode step),
-        so a handful of graphs cover every short step. Steps of more than compiled_rows rows (prefill,
-        big batches) keep the eager forward, where the matmuls dominate anyway. compiled_rows is also
-        at most the smallest row count where a projection's measured route changes kernel (kernels/routes.py),
-        so a compiled graph holds exactly the kernels the eager forward would call. The graphs are
-        traced on first use; the caller warms them up (runner.py) and inductor keeps the compiled
-        code in its on-disk cache. Short steps take functions compiled ahead of time instead (see
-        KINDS), built or loaded from kept_dir during the same warm-up; the torch.compile'd layer is
-        their fallback."""
-        if self.tile:
-            raise ValueError("the compiled layer does not tile: invariant mode runs eager")
-        linears = [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
-        limits = [lin.max_packed_rows for lin in linears if lin.packed is not None and lin.dense is not None]
-        rows = min([COMPILED_MAX_ROWS, *limits])
-        if rows < 1:
-            return
-        self.compiled_rows = rows
-        self._kernels = [
-            (w_in, qkv.kernel_for(rows), o.kernel_for(rows), w_post, gate_up.kernel_for(rows), down.kernel_for(rows))
-            for w_in, qkv, o, w_post, gate_up, down in self.layers
-        ]
-        self.whole_steps = whole_steps
-        per_call = max(g for g in range(1, layers_per_graph + 1) if len(self.layers) % g == 0)
-        self._spans = [range(i, i + per_call) for i in range(0, len(self.layers), per_call)]
-        self._uniform = len({kept_steps.signature(k) for k in self._kernels}) == 1
-        if self.embed.device.type == "cpu" and cpu_kernels.fits_head(self.math.head_dim) and cpu_kernels.load():
-            self.math = replace(self.math, attention_kernel=True)
-        self._compiled = torch.compile(self.math.short_layers)
-
-    def kept_kinds(self) -> list[str]:
-        """The kinds of short step (KINDS) that a function compiled ahead of time serves."""
-        return [kind for kind in KINDS if self._kept.get(kind) is not None]
-
-    def decompile(self) -> None:
-        self._compiled, self._kernels, self._spans, self.compiled_rows = None, [], [], 0
-        self._kept = {}
-
-    def _takes_compiled(self, ctx: StepContext, rows: int) -> bool:
-        if self._compiled is None or rows > self.compiled_rows or len(ctx.groups) != 1:
-            return False
-        batch, s = ctx.groups[0].kv_index.shape
-        run = ctx.groups[0].q_index.shape[1]
-        return run <= COMPILED_MAX_RUN and explicit_pays(batch, self.math.heads, run, s)
-
-    def _compiled_layers(self, x, cos, sin, ctx: StepContext, aux_layers, aux: dict) -> torch.Tensor:
-        group = ctx.groups[0]
-        view = group.key_view(None, False)
-        step = (ctx.slot_mapping, view.kv_index, view.mask, group.q_index, group.out_index)
-        pool = ctx.pool
-        single, run1 = view.kv_index.shape[0] == 1, group.q_index.shape[1] == 1
-        kind = ("decode" if run1 else "verify") if single else ("batch-decode" if run1 else "batch-verify")
-        spans = [range(len(self.layers))] if self.whole_steps else self._spans
-        first = self._layer_args(pool, spans[0])
-        kept = self._kept_fn(kind, (self.math, x, cos, sin, *step, first))
-        if kept is None:
-            spans = self._spans
-            if self._warming:
-                kept_steps.mark_dynamic(x, cos, sin, *step)
-        for n, span in enumerate(spans):
-            layers = first if n == 0 and kept is not None else self._layer_args(pool, span)
-            if kept is not None and (n == 0 or self._uniform or kept.guard_check(self.math, x, cos, sin, *step, layers)):
-                outs = kept(self.math, x, cos, sin, *step, layers)
-            else:
-                # The stance holds for the torch.compile'd calls alone: around a kept function's call it
-                # would put every frame its prologue runs through dynamo's cache lookup.
-                with torch.compiler.set_stance("default" if self._warming else self.unseen_shape_stance):
-                    outs = self._compiled(x, cos, sin, *step, layers)
-            for i in span:
-                if i in aux_layers:
-                    aux[i] = x if i == span.start else outs[i - span.start - 1]
-            x = outs[-1]
-        return x
-
-    def _layer_args(self, pool, span: range) -> tuple:
-        """What the compiled layer takes for each layer of span: its keys, values and weights."""
-        return tuple((pool.keys[i], pool.values[i], self._kernels[i]) for i in span)
-
-    # ------------------------------------------------------------------ functions kept on disk
-    def _kept_fn(self, kind: str, args: tuple):
-        """The kept function for this kind of step, or None (not built, or this step, args being its
-        first call, is not what its guards allow: then the step takes the torch.compile'd calls)."""
-        if kind not in self._kept:
-            if not self._warming:
-                return None
-            self._kept[kind] = self._build_kept(kind, args)
-        fn = self._kept[kind]
-        if fn is None:
-            return None
-        if not fn.guard_check(*args):
-            self.refused[kind] = self.refused.get(kind, 0) + 1
-            if self.refused[kind] == 1:
-                log.info("a %s step does not fit its kept function (%s); such steps take the torch.compile'd calls", kind, kept_steps.guard_failure(fn, args))
-            return None
-        return fn
-
-    def _build_kept(self, kind: str, args: tuple):
-        """Load the function for this kind of step from kept_dir, or compile it ahead of time (and keep
-        it there). args: an example call, from the warm-up step."""
-        path = self.kept_dir / f"{kind}-{_kept_key(args)}.bin" if self.kept_dir is not None else None
-        if path is not None and path.is_file():
-            try:
-                with path.open("rb") as f:
-                    fn = torch.compiler.load_compiled_function(f, f_globals=globals())
-                fn.disable_guard_check()  # checked by _kept_fn, before the call
-                if fn.guard_check(*args):
-                    os.utime(path)  # in use: see kept_steps.prune
-                    return fn
-                log.info(
-                    "the kept function %s does not fit this forward (%s); compiling it again", path.name, kept_steps.guard_failure(fn, args)
-                )
-            except Exception as exc:  # noqa: BLE001 - a stale or broken file is rebuilt
-                log.warning("could not load %s (%s: %s); compiling it again", path, type(exc).__name__, exc)
-        # Sizes are marked only now: a function loaded from disk records none as marked (torch 2.13), so
-        # its guards refuse a marked tensor; they take unmarked ones of any size the graph allows.
-        kept_steps.mark_dynamic(*args[1:-1])
-        for keys, values, _ in args[-1]:
-            torch._dynamo.maybe_mark_dynamic(keys, 0)  # any pool size
-            torch._dynamo.maybe_mark_dynamic(values, 0)
-        start = time.perf_counter()
+    @contextmanager
+    def warming(self, steps):
+        """In this thread, run short steps through `steps` (not yet installed) while it warms up."""
+        self._local.steps = steps
         try:
-            # No size asserts: the wrapper would check every extern kernel's output (hundreds of checks
-            # a decode step of the bundled model) for shapes the graph itself computed.
-            options = {"guard_filter_fn": kept_steps.saveable_guards, "size_asserts": False}
-            compiled = torch.compile(LayerMath.short_layers, fullgraph=True, options=options)
-            fn = compiled.aot_compile((args, {}))
-        except Exception as exc:  # noqa: BLE001 - the torch.compile'd calls still serve these steps
-            log.warning(
-                "compiling %s steps ahead of time failed (%s: %s); they take the per-layer torch.compile'd calls",
-                kind,
-                type(exc).__name__,
-                exc,
-            )
-            return None
-        fn.disable_guard_check()
-        log.info(
-            "compiled %s steps ahead of time (%d layers per call) in %.1f s", kind, len(args[-1]), time.perf_counter() - start
-        )
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fn.save_compiled_function(str(path))
-                kept_steps.prune(path.parent)
-            except Exception as exc:  # noqa: BLE001 - serving goes on; the next start compiles again
-                log.warning("could not keep the compiled function in %s: %s", path, exc)
-        return fn
-
-    def warm_up(self, forward: Callable[[], object]) -> None:
-        """Run forward() (steps chosen by the caller to cover the graphs short steps need) with the
-        varying sizes marked dynamic, so each graph is traced once for all sizes; afterwards a step
-        that would need another graph runs eager rather than stall the server to compile it."""
-        self._warming = True
-        try:
-            forward()
+            yield
         finally:
-            self._warming = False
+            self._local.steps = None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -410,8 +242,9 @@ class FastLlama:
         cos, sin = self._rope(positions, x.dtype)
         t = input_ids.shape[0]
         aux = {}
-        if self._takes_compiled(ctx, t):
-            x = self._compiled_layers(x, cos, sin, ctx, aux_layers, aux)
+        steps = getattr(self._local, "steps", None) or self.steps
+        if steps is not None and steps.takes(ctx, t):
+            x = steps.layers(x, cos, sin, ctx, aux_layers, aux)
             return self._finish(x, keep, aux_layers, aux)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
@@ -426,18 +259,3 @@ class FastLlama:
         if not aux_layers:
             return logits
         return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)
-
-
-def _kept_key(args: tuple) -> str:
-    """What a kept function depends on beyond its guards: torch, the code it runs, and
-    (so that configurations keep separate files) the layer sizes, dtypes and kernel kinds."""
-    h = hashlib.sha256(torch.__version__.encode())
-    # kernels/cpu.py holds the kernels' schemas, which the graph calls by name; their C++ is not part of the
-    # graph, so an edit to it needs a new library (cpu_kernels' own key), not new kept functions.
-    for source in (__file__, kept_steps.__file__, attention.__file__, quant.__file__, cpu_kernels.__file__):
-        h.update(Path(source).read_bytes())
-    math, x, layers = args[0], args[1], args[-1]
-    kernels = [kept_steps.signature(layer[2]) for layer in layers]
-    pools = sorted({(str(t.dtype), tuple(t.shape[1:]), t.is_contiguous()) for keys, values, _ in layers for t in (keys, values)})
-    h.update(repr((math, x.dtype, x.device.type, pools, kernels)).encode())
-    return h.hexdigest()[:20]

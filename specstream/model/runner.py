@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specstream.model import fast_llama
 from specstream.model.architectures import check_architecture
+from specstream.model.compiled_steps import CompiledSteps
 from specstream.model.attention import AttentionGroup, StepContext, model_geometry, step_context
 from specstream.model.fast_llama import FastLlama, dense_linear
 from specstream.memory.kv import KVPool
@@ -43,6 +45,15 @@ _KEY_BLOCK = 64
 # Query runs up to this long (decode, verification) attend in one group, longer ones (prefill
 # chunks) in another.
 _SHORT_RUN = 16
+
+
+@dataclass
+class _PendingCompile:
+    """A compile running in a thread of its own (ModelRunner.compile(background=True))."""
+
+    tables: list[list[int]]  # the warm-up's scratch blocks, reserved by the thread that runs steps
+    thread: threading.Thread | None = None
+    result: tuple[CompiledSteps | None, str] | None = field(default=None)  # set by the thread as it ends
 
 
 @dataclass
@@ -71,6 +82,8 @@ class ModelRunner:
                 )
             self._probe()
 
+    _pending: _PendingCompile | None = None
+
     def _probe(self) -> None:
         """One tiny forward at load time, so a model whose attention asks for something the
         packed attention does not implement is refused now (UnsupportedAttentionError, a
@@ -83,55 +96,99 @@ class ModelRunner:
         finally:
             self.pool.free(table)
 
-    def compile(self, layers_per_graph: int = 1, whole_steps: bool = True) -> str:
-        """Compile the lean forward's short steps (FastLlama.compile, which takes the arguments) and trace their graphs now, on
-        scratch blocks of the pool, so no request waits for a compile. Inductor keeps the compiled
-        code under the specstream cache (inductor/), so only the first start on a machine pays for
-        it. Where compiling fails (no C++ compiler, say), the forward stays eager and the log says why.
-        Returns what the forward runs, for the start-up log (and the calibration cache's key)."""
+    def compile(self, layers_per_graph: int = 1, whole_steps: bool = True, background: bool = False) -> str:
+        """Compile the lean forward's short steps (compiled_steps.CompiledSteps, which takes the arguments) and
+        trace their graphs now, on scratch blocks of the pool, so no request waits for a compile. Inductor keeps
+        the compiled code under the specstream cache (inductor/, compiled/), so only the first start on a
+        machine pays for most of it. Where compiling fails (no C++ compiler, say), the forward stays eager and
+        the log says why. Returns what the forward runs, for the start-up log (and the calibration cache's key).
+
+        background: return at once, the forward eager, and compile in a thread of its own while the eager
+        forward serves; the thread that runs steps installs the result between two steps (install_compiled).
+        The warm-up's scratch blocks are reserved here, so that thread never touches the pool's allocator."""
         if self.fast is None:
             return "eager (transformers modules)"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-        start = time.perf_counter()
         tables = [self.pool.new_table(), self.pool.new_table()]
+        if not all(self.pool.reserve(t, 40) for t in tables):
+            for t in tables:
+                self.pool.free(t)
+            return "eager (the KV pool has no room for the warm-up steps)"
+        if not background:
+            try:
+                steps, description = self._compile(tables, layers_per_graph, whole_steps)
+            finally:
+                for t in tables:
+                    self.pool.free(t)
+            self.fast.steps = steps
+            return description
+        pending = _PendingCompile(tables)
+
+        def run() -> None:
+            pending.result = self._compile(tables, layers_per_graph, whole_steps)
+
+        pending.thread = threading.Thread(target=run, name="specstream-compile", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+        return "eager (compiling in the background)"
+
+    def _compile(self, tables: list[list[int]], layers_per_graph: int, whole_steps: bool) -> tuple[CompiledSteps | None, str]:
+        start = time.perf_counter()
         try:
-            self.fast.compile(layers_per_graph, whole_steps)
-            self.fast.kept_dir = cache_dir() / "compiled"
-            rows = self.fast.compiled_rows
+            steps = CompiledSteps(self.fast, layers_per_graph, whole_steps, kept_dir=cache_dir() / "compiled")
+            rows = steps.rows
             if not rows:
-                return "eager (no step shape to compile)"
-            if not all(self.pool.reserve(t, 40) for t in tables):
-                raise RuntimeError("the KV pool has no room for the warm-up steps")
+                return None, "eager (no step shape to compile)"
             # One step per graph a short step needs: sizes of 1 are specialized, so a lone decode step,
             # one sequence's verification, a batch of decode steps and a batch of verifications differ.
             # Sizes are distinct (rows, sequences, query run, context) so none is traced as equal to another.
             a, b = tables
-            steps = [
+            shapes = [
                 [ForwardItem(a, 37, [0], 1)],
                 [ForwardItem(a, 37, [0] * 3, 3)],
                 [ForwardItem(a, 37, [0], 1), ForwardItem(b, 29, [0], 1)],
                 [ForwardItem(a, 37, [0] * 3, 3), ForwardItem(b, 29, [0] * 2, 2)],
             ]
-            steps = [s for s in steps if sum(len(i.tokens) for i in s) <= rows]
-            self.fast.warm_up(lambda: [self.forward(s) for s in steps])
+            shapes = [s for s in shapes if sum(len(i.tokens) for i in s) <= rows]
+            with self.fast.warming(steps):
+                steps.warm_up(lambda: [self.forward(s) for s in shapes])
         except Exception as exc:  # noqa: BLE001 - any failure to compile leaves the eager forward serving
-            self.fast.decompile()
             log.warning("compiling the forward failed, serving eager: %s: %s", type(exc).__name__, exc)
-            return f"eager (compile failed: {type(exc).__name__})"
-        finally:
-            for t in tables:
-                self.pool.free(t)
-        kept = self.fast.kept_kinds()
+            return None, f"eager (compile failed: {type(exc).__name__})"
         log.info(
             "compiled the forward's steps of <= %d rows: %d step shapes in %.1f s (compiled ahead of time: %s)",
             rows,
-            len(steps),
+            len(shapes),
             time.perf_counter() - start,
-            ", ".join(kept) or "none",
+            ", ".join(steps.kept_kinds()) or "none",
         )
-        parts = [f"steps of <= {rows} rows"] + ["one call per step"] * self.fast.whole_steps
-        parts += ["specstream's attention kernel"] * self.fast.math.attention_kernel
-        return f"compiled ({'; '.join(parts)})"
+        parts = [f"steps of <= {rows} rows"] + ["one call per step"] * steps.whole_steps
+        parts += ["specstream's attention kernel"] * steps.math.attention_kernel
+        return steps, f"compiled ({'; '.join(parts)})"
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a background compile has not been installed yet."""
+        return self._pending is not None
+
+    def install_compiled(self, wait: bool = False) -> str | None:
+        """From the thread that runs steps, between two steps: install a finished background compile and
+        free its scratch blocks. Returns the forward's description once installed (None: nothing changed).
+        wait: wait for the compile to finish first."""
+        pending = self._pending
+        if pending is None or pending.thread is None:
+            return None
+        if wait:
+            pending.thread.join()
+        if pending.thread.is_alive():
+            return None
+        self._pending = None
+        for t in pending.tables:
+            self.pool.free(t)
+        steps, description = pending.result or (None, "eager (compile failed: the compiling thread died)")
+        self.fast.steps = steps
+        log.info("the forward runs %s from now on", description)
+        return description
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()):
