@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import endpoints
+from gateway.api_endpoints import API_ROUTES
 from gateway.errors import APIError
 from gateway.playground import playground_routes
 from gateway.settings import GatewaySettings
@@ -37,6 +38,7 @@ ROUTES = [
     Route("/v1/models/{model:path}", endpoints.model_detail, methods=["GET"]),
     Route("/health", endpoints.health, methods=["GET"]),
     Route("/metrics", endpoints.metrics, methods=["GET"]),
+    *API_ROUTES,  # OpenAI Responses, Anthropic Messages, vLLM's /tokenize and /detokenize
 ]
 
 
@@ -92,14 +94,15 @@ async def supervise(state: ServingState, on_failure: Callable[[BaseException], N
 
 
 async def api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
+    return exc.response_for(request.url.path)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     messages = {404: f"no route {request.url.path[:200]}", 405: f"method {request.method} not allowed here"}
-    return APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response()
+    return APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response_for(request.url.path)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path[:200])
-    return APIError(500, "internal error (the server log has the details)", code="internal_error").response()
+    error = APIError(500, "internal error (the server log has the details)", code="internal_error")
+    return error.response_for(request.url.path)

@@ -42,6 +42,11 @@ class Choices:
             raise
         return choices
 
+    def prompt_tokens(self, index: int) -> int:
+        """The prompt's length in tokens, known from the choice's first chunk."""
+        first = self._first[index]
+        return len(first.prompt_token_ids or []) if first is not None else 0
+
     async def _prime(self, index: int) -> None:
         self._first[index] = await anext(self._streams[index])
 

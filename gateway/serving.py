@@ -36,6 +36,7 @@ class Delta:
     logprobs: list  # per-token entries in the endpoint's shape (empty unless asked for)
     finish_reason: str | None
     speculative: dict  # drafted/accepted/tokens since the previous delta of this choice
+    stop_string: str | None = None  # on the finishing delta: the stop string that ended the choice, if one did
 
 
 class UsageCount:
@@ -206,7 +207,7 @@ class OpenAIServing(ABC):
             if chunk.finished:
                 self.usage.add(index, chunk.usage)
             if chunk.text or entries or chunk.finished:
-                yield Delta(index, chunk.text, entries, chunk.finish_reason, pending.pop(index))
+                yield Delta(index, chunk.text, entries, chunk.finish_reason, pending.pop(index), chunk.stop_string)
 
     async def full(self, choices: Choices) -> Response:
         texts: list[list[str]] = [[] for _ in range(len(choices))]

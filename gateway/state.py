@@ -11,6 +11,7 @@ from functools import cached_property
 from starlette.requests import Request
 
 from gateway.errors import APIError
+from gateway.response_store import ResponseStore
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenBytes
 from specstream import AsyncEngine
@@ -34,6 +35,12 @@ class ServingState:
         """Built on first use: the tokenizer exists only once the model has loaded."""
         return TokenBytes(self.engine.tokenizer)
 
+    @cached_property
+    def responses(self) -> ResponseStore:
+        """Responses kept for previous_response_id and GET /v1/responses/{id} (store: true)."""
+        s = self.settings
+        return ResponseStore(s.response_store_max_count, s.response_store_max_bytes, s.response_store_max_age_s)
+
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name or self.engine.model_name
@@ -46,12 +53,21 @@ class ServingState:
         state = self.engine.state
         return state, (self.engine.failure if state == "failed" else None)
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> bytes | None:
+        """The request's API key once checked (None when the server has none): 'Authorization: Bearer
+        <key>', or 'x-api-key: <key>' as Anthropic's clients send it."""
         if not self.keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            return None
+        header = request.headers.get("authorization")
+        if header is None and "x-api-key" in request.headers:
+            token = request.headers["x-api-key"]
+        else:
+            scheme, _, token = (header or "").partition(" ")
+            token = token if scheme.lower() == "bearer" else ""
+        if not token.strip():
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", code="invalid_api_key"
+            )
         given = token.strip().encode("latin-1")  # the raw header bytes (Starlette decodes latin-1)
         # Compare against every key so the time does not tell which one came close.
         matched = False
@@ -59,6 +75,7 @@ class ServingState:
             matched |= hmac.compare_digest(given, key)
         if not matched:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return given
 
     def require_ready(self) -> None:
         state, _ = self.health

@@ -1,6 +1,7 @@
 """Hostile and careless input against a live server: wrong content types, text that is not
 valid Unicode, numbers out of every bound, random JSON. Whatever arrives, the answer is a 2xx
-or a 4xx in OpenAI's error shape, never a 500, and the next request is served as before."""
+or a 4xx in its API's error shape (OpenAI's, or Anthropic's on /v1/messages), never a 500, and
+the next request is served as before."""
 
 from __future__ import annotations
 
@@ -367,6 +368,177 @@ def test_random_bytes_never_get_a_500(server, path):
     @given(raw=st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")))
     def check(raw):
         check_answer(post(server, path, raw))
+
+    check()
+
+
+# ------------------------------------------- random JSON bodies on the Responses, Messages and tokenizer APIs
+FUNCTION_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": FUNCTION_PARAMETERS}
+MESSAGES_TOOL = {"name": "get_weather", "input_schema": FUNCTION_PARAMETERS}
+# path -> (its valid base body, the shape of its errors, its own fields)
+OTHER_APIS = {
+    "/v1/responses": (
+        {"model": MODEL, "input": "The quick brown fox", "max_output_tokens": 4},
+        "openai",
+        ["input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store"]
+        + ["previous_response_id", "parallel_tool_calls", "metadata", "text", "tools", "tool_choice"],
+    ),
+    "/v1/messages": (
+        {"model": MODEL, "max_tokens": 4, "messages": CHAT},
+        "anthropic",
+        ["messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stream", "stop_sequences"]
+        + ["tools", "tool_choice", "output_config"],
+    ),
+    "/v1/messages/count_tokens": (
+        {"model": MODEL, "messages": CHAT},
+        "anthropic",
+        ["messages", "system", "tools", "tool_choice"],
+    ),
+    "/tokenize": ({"prompt": "Hello world"}, "openai", ["prompt", "return_token_strs", "model"]),
+    "/detokenize": ({"tokens": [1, 2, 3]}, "openai", ["tokens", "model"]),
+}
+ROLE_TEXT = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": SHORT_TEXT})
+RESPONSES_ITEMS = st.lists(
+    ROLE_TEXT
+    | st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user"]),
+            "content": st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": SHORT_TEXT}), max_size=2),
+        }
+    )
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": SHORT_TEXT,
+            "name": st.just("get_weather"),
+            "arguments": SHORT_TEXT,
+        }
+    )
+    | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": SHORT_TEXT, "output": SHORT_TEXT}),
+    max_size=4,
+)
+ANTHROPIC_BLOCKS = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": SHORT_TEXT})
+    | st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": SHORT_TEXT, "name": st.just("get_weather"), "input": st.just({"city": "x"})}
+    )
+    | st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": SHORT_TEXT, "content": SHORT_TEXT}),
+    max_size=3,
+)
+OTHER_PLAUSIBLE = {
+    "model": st.just(MODEL),
+    "input": SHORT_TEXT | RESPONSES_ITEMS,
+    "instructions": SHORT_TEXT,
+    "max_output_tokens": st.integers(1, 8),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 400),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": SHORT_TEXT,
+    "parallel_tool_calls": st.booleans(),
+    "metadata": st.dictionaries(SHORT_TEXT, SHORT_TEXT, max_size=3),
+    "text": st.sampled_from(
+        [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}}]
+    )
+    | st.just({"format": {"type": "json_schema", "name": "x", "schema": FUNCTION_PARAMETERS}}),
+    "tools": st.lists(JSON_VALUES, max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "messages": st.lists(
+        ROLE_TEXT
+        | st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": ANTHROPIC_BLOCKS}),
+        min_size=1,
+        max_size=3,
+    ),
+    "system": SHORT_TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": SHORT_TEXT}), max_size=2),
+    "stop_sequences": st.lists(SHORT_TEXT, max_size=5),
+    "output_config": st.just({"format": {"type": "json_schema", "schema": FUNCTION_PARAMETERS}}),
+    "prompt": SHORT_TEXT,
+    "tokens": st.lists(st.integers(0, 400), max_size=6),
+    "return_token_strs": st.booleans(),
+}
+
+
+# The tools and tool_choice each API takes.
+TOOL_FIELDS = {
+    "/v1/responses": {
+        "tools": st.just([RESPONSES_TOOL]),
+        "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"}]),
+    },
+    "/v1/messages": {
+        "tools": st.just([MESSAGES_TOOL]),
+        "tool_choice": st.fixed_dictionaries(
+            {"type": st.sampled_from(["auto", "any", "tool", "none"]), "name": st.just("get_weather")}
+        ),
+    },
+}
+TOOL_FIELDS["/v1/messages/count_tokens"] = TOOL_FIELDS["/v1/messages"]
+
+
+def other_bodies(path: str):
+    """As bodies(): the API's base body with some fields replaced, added or dropped; half the examples
+    use plausible values of the API's own fields only, the other half any field with plausible or
+    random JSON."""
+    base, _, own_fields = OTHER_APIS[path]
+    plausible = {**OTHER_PLAUSIBLE, **TOOL_FIELDS.get(path, {})}
+    own = st.lists(st.sampled_from(own_fields), max_size=6, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries({k: plausible[k] for k in keys})
+    )
+    anything = st.lists(st.sampled_from(sorted(plausible)) | st.text(max_size=8), max_size=5, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries(
+            {k: plausible[k] | JSON_VALUES if k in plausible else JSON_VALUES for k in keys}
+        )
+    )
+    dropped = st.just(set()) | st.sets(st.sampled_from(sorted(base)), max_size=1)
+    return st.tuples(dropped, own | anything).map(
+        lambda c: {**{k: v for k, v in base.items() if k not in c[0]}, **c[1]}
+    )
+
+
+def assert_anthropic_error(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def check_other_answer(path: str, r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text
+    anthropic = OTHER_APIS[path][1] == "anthropic"
+    if r.status_code >= 400:
+        (assert_anthropic_error if anthropic else assert_openai_error)(r, r.status_code)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert names[-1] == ("message_stop" if anthropic else "response.completed") and "error" not in names, r.text
+    else:
+        assert isinstance(r.json(), dict)
+
+
+@pytest.mark.parametrize("path", list(OTHER_APIS))
+def test_random_json_bodies_on_the_other_apis_never_get_a_500_and_4xx_have_their_apis_shape(server, path):
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+    @given(body=other_bodies(path))
+    def check(body):
+        for key in ("max_output_tokens", "max_tokens"):  # valid lengths stay short; invalid ones stay
+            if type(body.get(key)) is int and 8 < body[key] < 2**31:
+                body[key] = 8
+        if path == "/v1/responses" and body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 4
+        check_other_answer(path, post(server, path, body))
+
+    check()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", list(OTHER_APIS))
+def test_random_bytes_on_the_other_apis_never_get_a_500(server, path):
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+    @given(raw=st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")))
+    def check(raw):
+        check_other_answer(path, post(server, path, raw))
 
     check()
 
