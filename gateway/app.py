@@ -16,12 +16,14 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import endpoints
 from gateway.api_endpoints import API_ROUTES
+from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import APIError
 from gateway.playground import playground_routes
 from gateway.settings import GatewaySettings
@@ -65,12 +67,15 @@ def create_app(
 
     settings = state.settings
     routes = ROUTES + (playground_routes(engine) if settings.playground else [])
+    drain = Drain()
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(DrainMiddleware, drain=drain, retry_after_seconds=settings.retry_after_seconds)],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.serving = state
+    app.state.drain = drain  # DrainingServer drains it on SIGTERM
     return app
 
 

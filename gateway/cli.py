@@ -14,6 +14,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from gateway.drain import DEFAULT_SHUTDOWN_TIMEOUT, MAX_SHUTDOWN_TIMEOUT, check_shutdown_timeout
 from specstream.config import DTYPES, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 
 if TYPE_CHECKING:  # the CLI imports torch (through specstream) only for the commands that need it
@@ -108,6 +109,13 @@ def _add_serve(sub) -> None:
     a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
     a("--max-n", type=int, default=int(_env("max_n", "8")))
     a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
+    a(
+        "--shutdown-timeout",
+        type=float,
+        default=float(_env("shutdown_timeout", str(DEFAULT_SHUTDOWN_TIMEOUT))),
+        help="on SIGTERM, seconds that requests in flight have to finish before they are cut "
+        f"(new ones get 503 meanwhile; 0..{MAX_SHUTDOWN_TIMEOUT:g}, default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
     a("--log-level", default=_env("log_level", "info"))
     no_playground = _env("no_playground", "") not in ("", "0")
     a("--no-playground", action="store_true", default=no_playground, help="do not serve the chat page at /")
@@ -155,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             playground=not args.no_playground,
         )
+        check_shutdown_timeout(args.shutdown_timeout)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -183,7 +192,15 @@ def _serve(args: argparse.Namespace) -> int:
         "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
     engine = AsyncEngine(config, max_waiting=args.max_waiting)
-    return serve(engine, settings, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
+    return serve(
+        engine,
+        settings,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        sock=sock,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -219,14 +236,17 @@ def serve(
     port: int,
     log_level: str = "info",
     sock: socket.socket | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> int:
     """Run the server until it is stopped (0) or the engine fails to load or fails fatally
     later (1, with the error on stderr), so that a supervisor restarts a failed server
     instead of leaving it answering 503 forever. sock: a socket bound already (listen_socket);
-    else one is bound here, and a port in use is an error before the engine starts."""
+    else one is bound here, and a port in use is an error before the engine starts. SIGTERM
+    drains: requests in flight get shutdown_timeout seconds to finish (gateway/drain.py)."""
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.drain import DrainingServer
 
     failures: list[BaseException] = []
 
@@ -238,9 +258,9 @@ def serve(
     if sock is None:
         return 1
     app = create_app(engine, settings, on_engine_failure=stop_on_failure)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
-    )
+    # The drain is the graceful period; what uvicorn's own shutdown then finds still open is cut.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=1)
+    server = DrainingServer(config, app.state.drain, shutdown_timeout)
     server.run(sockets=[sock])
     if failures:
         print(f"error: the engine failed, exiting: {failures[0]}", file=sys.stderr)

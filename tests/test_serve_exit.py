@@ -85,6 +85,6 @@ def test_sigterm_while_the_model_loads_ends_the_server():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    # uvicorn shuts down, then ends the process by the signal it caught.
-    assert proc.returncode in (0, -signal.SIGTERM), stderr[-2000:]
+    # Nothing is in flight while loading, so the drain ends at once and the server exits 0.
+    assert proc.returncode == 0, stderr[-2000:]
     assert "Application shutdown complete" in stderr
