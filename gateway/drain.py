@@ -4,8 +4,8 @@ finish, then exits 0, so a rolling update or a scale-down in Kubernetes never cu
 - `Drain` counts the HTTP requests in flight and records when draining began.
 - `DrainMiddleware` (installed by create_app) counts each admitted request until its response,
   streamed or not, has been sent; while draining it answers /health with 503
-  {"status": "draining"} and every other request but /metrics with 503 in OpenAI's error shape
-  with Retry-After, so a load balancer or router sends it to another replica.
+  {"status": "draining"} and every other request but /metrics with 503 and Retry-After, in OpenAI's
+  error shape (Anthropic's on its paths), so a load balancer or router sends it to another replica.
 - `DrainingServer` (uvicorn's Server, as `specstream serve` runs it) turns the first SIGTERM or
   SIGINT into a drain instead of uvicorn's immediate shutdown, and shuts down once nothing is in
   flight or `shutdown_timeout` seconds have passed (what is still running then is cut). A second
@@ -77,7 +77,7 @@ class DrainMiddleware:
         if path == "/health":
             return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
         message = "the server is shutting down; retry on another replica"
-        return APIError(503, message, code="server_draining", headers=headers).response()
+        return APIError(503, message, code="server_draining", headers=headers).response_for(path)
 
 
 class DrainingServer(uvicorn.Server):

@@ -160,7 +160,8 @@ async def test_while_draining_health_and_requests_get_503_but_metrics_are_served
         return JSONResponse({"ok": True})
 
     drain = Drain()
-    routes = [Route(path, ok, methods=["GET", "POST"]) for path in ("/health", "/metrics", "/v1/chat/completions")]
+    paths = ("/health", "/metrics", "/v1/chat/completions", "/v1/messages")
+    routes = [Route(path, ok, methods=["GET", "POST"]) for path in paths]
     app = DrainMiddleware(Starlette(routes=routes), drain, retry_after_seconds=2)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert (await c.get("/health")).status_code == 200
@@ -171,5 +172,7 @@ async def test_while_draining_health_and_requests_get_503_but_metrics_are_served
         assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
         assert refused.headers["connection"] == "close"
         assert refused.json()["error"]["type"] == "service_unavailable"
+        anthropic = await c.post("/v1/messages", json={})
+        assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
         assert (await c.get("/metrics")).status_code == 200
     assert drain.in_flight == 0
