@@ -138,6 +138,26 @@ def test_stream_ending_without_done_raises_unless_every_choice_finished():
     assert len(list(c.chat.completions.create(model="m", messages=CHAT, stream=True))) == 2
 
 
+def event(kind: str, **fields) -> str:
+    return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": 0, **fields}) + "\n\n"
+
+
+def test_a_response_stream_is_complete_at_its_last_event_and_dropped_before_it():
+    response = {"id": "resp_1", "status": "completed", "model": "m", "output": []}
+    parts = [event("response.created", response=response), event("response.output_text.delta", delta="hi")]
+    c = make_client(lambda r: httpx.Response(200, stream=RecordingStream(parts)))
+    with pytest.raises(specstream_client.APIConnectionError):
+        list(c.responses.create(model="m", input="x", stream=True))
+    whole = parts + [event("response.completed", response=response)]
+    c = make_client(lambda r: httpx.Response(200, stream=RecordingStream(whole)))
+    with c.responses.stream(model="m", input="x") as stream:
+        assert list(stream.text_deltas()) == ["hi"] and stream.get_final_response().id == "resp_1"
+    error = event("error", code="request_failed", message="boom", param=None)
+    c = make_client(lambda r: httpx.Response(200, stream=RecordingStream(parts[:1] + [error])))
+    with pytest.raises(specstream_client.InternalServerError, match="boom"):
+        list(c.responses.create(model="m", input="x", stream=True))
+
+
 def test_early_close_closes_the_response():
     body = RecordingStream([chunk(str(i)) for i in range(50)] + ["data: [DONE]\n\n"])
     c = make_client(lambda r: httpx.Response(200, stream=body))
@@ -309,6 +329,50 @@ async def test_live_async_client(live):
         with pytest.raises(specstream_client.AuthenticationError):
             await AsyncClient(f"{live.url}/v1", "bad").models.list()
     assert r.text == text
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_live_responses(live):
+    prompt = CHAT[0]["content"]
+    with Client(f"{live.url}/v1", "k") as c:
+        r = c.responses.create(model="tiny", input=prompt, max_output_tokens=10, temperature=0, store=True)
+        with c.responses.stream(model="tiny", input=prompt, max_output_tokens=10, temperature=0) as stream:
+            deltas = list(stream.text_deltas())
+            final = stream.get_final_response()
+        stored = c.responses.retrieve(r.id)
+        call = c.responses.create(
+            model="tiny", input=prompt, tools=[WEATHER], tool_choice="required", max_output_tokens=120, temperature=0
+        ).function_calls[0]
+        c.responses.delete(r.id)
+        with pytest.raises(specstream_client.NotFoundError):
+            c.responses.retrieve(r.id)
+    assert "".join(deltas) == final.output_text == r.output_text == stored.output_text
+    assert r.status == "incomplete" and r.usage.output_tokens == 10 and r.usage.input_tokens > r.usage.cached_tokens
+    assert call.name == "get_weather" and set(call.parsed_arguments()) == {"city"} and call.call_id
+
+
+async def test_live_async_responses(live):
+    prompt = CHAT[0]["content"]
+    async with AsyncClient(f"{live.url}/v1", "k") as c:
+        r = await c.responses.create(model="tiny", input=prompt, max_output_tokens=8, temperature=0)
+        async with await c.responses.stream(model="tiny", input=prompt, max_output_tokens=8, temperature=0) as stream:
+            events = [e async for e in stream]
+            final = await stream.get_final_response()
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta or "" for e in deltas) == final.output_text == r.output_text
+    assert all(e.speculative and e.speculative.tokens for e in deltas)
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
 
 
 def test_chat_repl_keeps_the_conversation_and_prints_stats(live):

@@ -6,6 +6,9 @@ Speaks HTTP only; imports neither specstream nor gateway.
     with Client("http://127.0.0.1:8000/v1") as c:
         for text in c.chat.completions.stream_text(model="smollm2-135m", messages=[...]):
             print(text, end="")
+        with c.responses.stream(model="smollm2-135m", input="Hi") as stream:
+            for text in stream.text_deltas():
+                print(text, end="")
 """
 
 from specstream_client._client import AsyncClient, AsyncStream, Client, Stream
@@ -20,12 +23,17 @@ from specstream_client._exceptions import (
     NotFoundError,
     RateLimitError,
 )
+from specstream_client._responses import AsyncResponseStream, ResponseStream
 from specstream_client.types import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
     FunctionCall,
     Model,
+    OutputItem,
+    Response,
+    ResponseEvent,
+    ResponseUsage,
     SpeculativeStats,
     ToolCall,
     ToolCallAssembler,
@@ -39,6 +47,7 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
+    "AsyncResponseStream",
     "AsyncStream",
     "AuthenticationError",
     "BadRequestError",
@@ -50,7 +59,12 @@ __all__ = [
     "InternalServerError",
     "Model",
     "NotFoundError",
+    "OutputItem",
     "RateLimitError",
+    "Response",
+    "ResponseEvent",
+    "ResponseStream",
+    "ResponseUsage",
     "SpeculativeStats",
     "Stream",
     "ToolCall",

@@ -1,6 +1,6 @@
-"""Client and AsyncClient: twins over BaseClient, each with chat.completions, completions
-and models. Streams are iterators of typed chunks that close their HTTP response when the
-consumer stops early (close()/aclose(), a with-block, or leaving the loop)."""
+"""Client and AsyncClient: twins over BaseClient, each with chat.completions, completions,
+responses (_responses.py) and models. Streams are iterators of typed chunks that close their
+HTTP response when the consumer stops early (close()/aclose(), a with-block, or leaving the loop)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 
 from specstream_client._base import BaseClient
 from specstream_client._exceptions import APIConnectionError
+from specstream_client._responses import AsyncResponses, Responses
 from specstream_client._sse import DONE, aiter_payloads, decode_payload, iter_payloads
 from specstream_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model
 
@@ -19,13 +20,17 @@ from specstream_client.types import ChatCompletion, ChatCompletionChunk, Complet
 class StreamEnd:
     """Tells a finished stream from a dropped one when the body ends: "data: [DONE]" is the
     OpenAI convention, but some servers close right after the last choice's finish_reason
-    (or the usage chunk), which counts as complete too."""
+    (or the usage chunk), which counts as complete too; a typed-event stream (the Responses
+    API) is complete once an event of a terminal type came."""
 
-    def __init__(self) -> None:
+    def __init__(self, terminal: frozenset[str] = frozenset()) -> None:
         self.open: set[int] = set()
         self.finished = False
+        self.terminal = terminal
 
     def see(self, payload: dict) -> None:
+        if payload.get("type") in self.terminal:
+            self.finished = True
         for choice in payload.get("choices") or []:
             index = choice.get("index", 0)
             if choice.get("finish_reason"):
@@ -39,7 +44,7 @@ class StreamEnd:
 
     def check(self) -> None:
         if not self.finished or self.open:
-            raise APIConnectionError("the stream ended before [DONE] with choices unfinished")
+            raise APIConnectionError("the stream ended before it was complete ([DONE], or its last event)")
 
 
 def _chat_params(model, messages, kw) -> dict:
@@ -102,6 +107,7 @@ class Client(BaseClient):
         )
         self.chat = _Chat(_ChatCompletions(self))
         self.completions = _Completions(self)
+        self.responses = Responses(self)
         self.models = _Models(self)
 
     def close(self) -> None:
@@ -138,9 +144,9 @@ class Client(BaseClient):
     def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
         return self.json_body(self._send(method, path, body, timeout, stream=False))
 
-    def _events(self, path: str, body: dict, timeout=None) -> Generator[dict, None, None]:
+    def _events(self, path: str, body: dict, timeout=None, terminal=frozenset()) -> Generator[dict, None, None]:
         response = self._send("POST", path, body, timeout, stream=True)
-        ended = StreamEnd()
+        ended = StreamEnd(terminal)
         try:
             for event in iter_payloads(response.iter_lines()):
                 payload = decode_payload(event)
@@ -226,6 +232,7 @@ class AsyncClient(BaseClient):
         )
         self.chat = _Chat(_AsyncChatCompletions(self))
         self.completions = _AsyncCompletions(self)
+        self.responses = AsyncResponses(self)
         self.models = _AsyncModels(self)
 
     async def aclose(self) -> None:
@@ -262,9 +269,9 @@ class AsyncClient(BaseClient):
     async def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> dict:
         return self.json_body(await self._send(method, path, body, timeout, stream=False))
 
-    async def _events(self, path: str, body: dict, timeout=None) -> AsyncGenerator[dict, None]:
+    async def _events(self, path: str, body: dict, timeout=None, terminal=frozenset()) -> AsyncGenerator[dict, None]:
         response = await self._send("POST", path, body, timeout, stream=True)
-        ended = StreamEnd()
+        ended = StreamEnd(terminal)
         try:
             async for event in aiter_payloads(response.aiter_lines()):
                 payload = decode_payload(event)

@@ -256,3 +256,116 @@ class Model:
     @classmethod
     def parse(cls, data: dict) -> Model:
         return cls(data.get("id", ""), data.get("created", 0), data.get("owned_by", ""))
+
+
+# ------------------------------------------------------------------ the Responses API
+@dataclass
+class ResponseUsage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0  # input tokens served from the server's prefix cache (input_tokens_details)
+
+    @classmethod
+    def parse(cls, data: dict | None) -> ResponseUsage | None:
+        if not data:
+            return None
+        details = data.get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        known = {k: v for k, v in _known(cls, data)[0].items() if k != "cached_tokens"}
+        return cls(**known, cached_tokens=cached or 0)
+
+
+@dataclass
+class OutputItem:
+    """One item of a response's output: a "message" (its text) or a "function_call"."""
+
+    type: str
+    id: str = ""
+    status: str | None = None
+    text: str = ""  # a message's output text
+    call_id: str = ""  # a function call's id, for the function_call_output that answers it
+    name: str = ""
+    arguments: str = ""  # a function call's arguments, JSON text as the model wrote it
+    raw: dict = field(default_factory=dict)  # the item as sent (a later request's input may hold it)
+
+    @classmethod
+    def parse(cls, data: dict) -> OutputItem:
+        parts = data.get("content") or []
+        text = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "output_text")
+        return cls(
+            data.get("type", ""),
+            data.get("id", ""),
+            data.get("status"),
+            text,
+            data.get("call_id", ""),
+            data.get("name", ""),
+            data.get("arguments", ""),
+            data,
+        )
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments)
+
+
+@dataclass
+class Response:
+    """A /v1/responses result; output_text joins its messages' text."""
+
+    id: str
+    status: str | None
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+    previous_response_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, data: dict) -> Response:
+        return cls(
+            data.get("id", ""),
+            data.get("status"),
+            data.get("model", ""),
+            [OutputItem.parse(item) for item in data.get("output") or [] if isinstance(item, dict)],
+            ResponseUsage.parse(data.get("usage")),
+            data.get("previous_response_id"),
+            _known(cls, data)[1],
+        )
+
+    @property
+    def output_text(self) -> str:
+        return "".join(item.text for item in self.output if item.type == "message")
+
+    @property
+    def function_calls(self) -> list[OutputItem]:
+        return [item for item in self.output if item.type == "function_call"]
+
+    def parsed(self) -> Any:
+        """The output text as JSON (for text.format json_object / json_schema)."""
+        return json.loads(self.output_text)
+
+
+@dataclass
+class ResponseEvent:
+    """One typed event of a streamed response (response.output_text.delta, ...); data is the whole event."""
+
+    type: str
+    sequence_number: int
+    delta: str | None = None  # output_text / function_call_arguments deltas
+    response: Response | None = None  # response.created, .in_progress, .completed
+    item: OutputItem | None = None  # response.output_item.added / .done
+    speculative: SpeculativeStats | None = None
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, data: dict) -> ResponseEvent:
+        response, item = data.get("response"), data.get("item")
+        return cls(
+            data.get("type", ""),
+            data.get("sequence_number", 0),
+            data.get("delta"),
+            Response.parse(response) if isinstance(response, dict) else None,
+            OutputItem.parse(item) if isinstance(item, dict) else None,
+            SpeculativeStats.parse(data.get("speculative")),
+            data,
+        )
