@@ -10,6 +10,8 @@ import time
 import httpx
 import uvicorn
 
+from specstream import AsyncEngine, RequestFailed
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -59,3 +61,20 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class FaultInjectingEngine(AsyncEngine):
+    """A real engine whose requests with "EXPLODE" in the prompt fail after three chunks, the
+    way a request that hits an error while generating fails alone."""
+
+    async def stream(self, prompt, params=None, request_id=None):
+        chunks = super().stream(prompt, params, request_id)
+        try:
+            count = 0
+            async for chunk in chunks:
+                count += 1
+                if "EXPLODE" in str(prompt) and count > 3:
+                    raise RequestFailed(f"request {request_id} failed: RuntimeError('boom')")
+                yield chunk
+        finally:
+            await chunks.aclose()

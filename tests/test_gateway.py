@@ -16,8 +16,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import LiveServer
-from specstream import AsyncEngine, EngineConfig, RequestFailed, SpeculativeConfig
+from gateway_server import FaultInjectingEngine, LiveServer
+from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
 
 MODEL = "tiny"
 KEYS = ("key-one", "key-two")
@@ -31,23 +31,6 @@ def tiny_config(model_dir, **kw) -> EngineConfig:
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
         **kw,
     )
-
-
-class FaultInjectingEngine(AsyncEngine):
-    """A real engine whose requests with "EXPLODE" in the prompt fail after three chunks, the
-    way a request that hits an error while generating fails alone."""
-
-    async def stream(self, prompt, params=None, request_id=None):
-        chunks = super().stream(prompt, params, request_id)
-        try:
-            count = 0
-            async for chunk in chunks:
-                count += 1
-                if "EXPLODE" in str(prompt) and count > 3:
-                    raise RequestFailed(f"request {request_id} failed: RuntimeError('boom')")
-                yield chunk
-        finally:
-            await chunks.aclose()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import LiveServer
-from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+from gateway_server import FaultInjectingEngine, LiveServer
+from specstream import EngineConfig, SpeculativeConfig
 
 MODEL = "tiny"
 KEY = "key-one"
@@ -49,7 +49,7 @@ def server(tiny_model_dir):
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
     )
     settings = GatewaySettings(served_model_name=MODEL, api_keys=(KEY,), max_body_bytes=64 * 1024)
-    with LiveServer(create_app(AsyncEngine(config), settings)) as live:
+    with LiveServer(create_app(FaultInjectingEngine(config), settings)) as live:
         yield live
 
 
@@ -197,6 +197,22 @@ def test_bad_requests_are_400_in_anthropics_shape(client, extra, words):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(model=MODEL, max_tokens=4, messages=MESSAGES, extra_body=extra)
     assert caught.value.body["error"]["type"] == "invalid_request_error" and words in caught.value.message
+
+
+def test_a_failure_mid_stream_is_an_error_event_in_anthropics_shape(client, server):
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        with client.messages.stream(
+            model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "EXPLODE " * 3}]
+        ) as s:
+            list(s)
+    assert caught.value.body == {
+        "type": "error",
+        "error": {
+            "type": "api_error",
+            "message": "the request failed while generating (the server log has the details)",
+        },
+    }
+    assert create(client, max_tokens=2).usage.output_tokens == 2
 
 
 def test_client_error_classes(client, server):

@@ -13,8 +13,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import LiveServer
-from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+from gateway_server import FaultInjectingEngine, LiveServer
+from specstream import EngineConfig, SpeculativeConfig
 
 MODEL = "tiny"
 KEYS = ("key-one", "key-two")
@@ -51,7 +51,7 @@ def server(tiny_model_dir):
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
     )
     settings = GatewaySettings(served_model_name=MODEL, api_keys=KEYS, response_store_max_count=3)
-    with LiveServer(create_app(AsyncEngine(config), settings)) as live:
+    with LiveServer(create_app(FaultInjectingEngine(config), settings)) as live:
         yield live
 
 
@@ -238,6 +238,16 @@ def test_the_store_is_bounded_per_key_oldest_out_first(client, other_client):
 
 
 # -------------------------------------------------------------------------- errors
+def test_a_failure_mid_stream_is_an_error_event_without_internal_ids(server):
+    body = {"model": MODEL, "input": "EXPLODE " * 3, "max_output_tokens": 40, "temperature": 0, "stream": True}
+    r = post(server, "/v1/responses", body)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
+    assert events[-1]["code"] == "request_failed" and events[-1]["sequence_number"] == len(events) - 1
+    assert events[0]["response"]["id"] not in events[-1]["message"] and "boom" not in events[-1]["message"]
+    assert post(server, "/v1/responses", {"model": MODEL, "input": PROMPT, "max_output_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
