@@ -15,9 +15,19 @@ SETUP_CHROMIUM ?= 1
 # when missing (root + apt only), else the server runs the eager forward and says so.
 SETUP_CXX ?= 1
 
+# checkov (deploy/k8s's policy checks in tests/test_k8s.py) lives in a venv of its own: its pinned
+# dependencies would otherwise downgrade ones torch uses.
+CHECKOV := $(VENV)/checkov/bin/checkov
+CHECKOV_SPEC ?= checkov==3.3.30
+
 .PHONY: setup serve test gpu-check nginx chromium cxx clean-venv
 
-setup: $(STAMP) nginx chromium cxx
+setup: $(STAMP) nginx chromium cxx $(CHECKOV)
+
+$(CHECKOV):
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install -q "$(CHECKOV_SPEC)" || echo "note: could not install checkov; its test will be skipped"
 
 cxx:
 	@if [ "$(SETUP_CXX)" = 1 ] && ! command -v g++ >/dev/null 2>&1; then \
