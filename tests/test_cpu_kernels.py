@@ -132,6 +132,7 @@ def test_short_attention_refuses_what_it_cannot_serve(kernels):
 
 def test_a_machine_that_cannot_build_the_kernels_keeps_the_torch_version(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_building", None)
     monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with caplog.at_level(logging.WARNING, logger="specstream.kernels.cpu"):

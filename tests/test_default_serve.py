@@ -1,6 +1,7 @@
 """`specstream serve` exactly as `make serve` runs it: no flags, so the bundled model in bf16, its 4-bit
-weights, the compiled forward, `auto` speculation with the bundled head, the prefix cache. Started once
-for the module (the first start of a run compiles the forward into the run's cache)."""
+weights, the compiled forward (compiled in the background while the eager forward serves), `auto`
+speculation with the bundled head, the prefix cache. Started once for the module (the first start of a
+run compiles the forward into the run's cache); the tests run once the compiled forward is installed."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def server():
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout=900)
+        # It serves at once, eager, while the forward compiles in the background; then installs it.
+        early = chat(url, PROMPTS[0])
+        assert early["choices"][0]["finish_reason"] in ("stop", "length")
+        deadline = time.monotonic() + 900
+        while "the forward runs compiled" not in Path(log.name).read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+            time.sleep(0.5)
         yield url, Path(log.name)
     finally:
         proc.terminate()

@@ -21,6 +21,7 @@ from specstream.calibration import CostModel
 from specstream.config import EngineConfig
 from specstream.engine.processor import InputProcessor
 from specstream.engine.scheduler import Scheduler
+from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
 from specstream.memory.heap import release_free_heap
 from specstream.memory.kv import KVPool
@@ -79,6 +80,7 @@ class EngineBuilder:
         config, spec = self.config, self.config.speculative
         start = time.perf_counter()
         resident = ResidentMemory()
+        self.build_kernels_ahead()
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source, chat_template=config.chat_template)
         model = load_model(source, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
@@ -104,7 +106,9 @@ class EngineBuilder:
             raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool ({pool.capacity} tokens)")
         runner, weights = self.make_runner(model, pool, source)
         resident.mark("weights")
-        forward = self.compile(runner)
+        # A background compile starts once start-up has timed what it times (a compile beside it skews that).
+        background = config.compile_in_background and config.compile and not config.deterministic
+        forward = "eager (compiling in the background)" if background else self.compile(runner)
         resident.mark("compile")
         ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions)
         proposer = make_proposer(ctx)
@@ -127,6 +131,8 @@ class EngineBuilder:
             structured=structured,
         )
         resident.mark("calibration")
+        if background:
+            forward = self.compile(runner)
         parts = EngineParts(
             config, self.device, self.dtype, tokenizer, model, vocab_size, eos_token_ids, pool, max_model_len,
             runner, proposer, structured, policy, Scheduler(config, pool, policy, proposer.release), processor, kept,
@@ -140,6 +146,12 @@ class EngineBuilder:
                 pool.describe(), weights, forward, resident.describe(),
             )
         return parts
+
+    def build_kernels_ahead(self) -> None:
+        """Start building specstream's CPU kernels where this configuration uses them, so that the compiler
+        runs while the model loads (and converts, the first time); a no-op once they are built."""
+        if self.device.type == "cpu" and (self.config.quantization != "none" or self.config.compile):
+            cpu_kernels.build_ahead()
 
     def pool_tokens(self, model) -> int:
         """KV slots in the target's pool: kv_cache_tokens, else what kv_cache_bytes holds (no more than
@@ -234,6 +246,7 @@ class ResidentMemory:
     already) and after each phase: where a server's memory goes."""
 
     def __init__(self) -> None:
+        release_free_heap()
         self.phases = {"before": resident_bytes()}
 
     def mark(self, phase: str) -> None:

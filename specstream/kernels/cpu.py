@@ -17,12 +17,14 @@ and returns False, and callers keep the torch version.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -59,6 +61,7 @@ def _q4_linear_shape(x, codes, scales, mins):
 
 
 _loaded: bool | None = None  # None: not tried yet
+_building: concurrent.futures.Future | None = None  # a build started ahead of need (build_ahead)
 
 
 def fits_head(head_dim: int) -> bool:
@@ -66,12 +69,29 @@ def fits_head(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
+def build_ahead() -> None:
+    """Start building the kernels (where the cache has none yet) in a thread of its own, so that the
+    compiler runs while start-up does other work (loading the model); load() waits for it."""
+    global _building
+    if _loaded is None and _building is None:
+        _building = concurrent.futures.Future()
+
+        def run(future: concurrent.futures.Future) -> None:
+            try:
+                future.set_result(_build())
+            except BaseException as exc:  # noqa: BLE001 - load() reports it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, args=(_building,), name="specstream-kernel-build", daemon=True).start()
+
+
 def load() -> bool:
     """Build (once per machine) and load the kernels; whether they are available."""
-    global _loaded
+    global _loaded, _building
     if _loaded is None:
+        building, _building = _building, None
         try:
-            torch.ops.load_library(str(_build()))
+            torch.ops.load_library(str(building.result() if building is not None else _build()))
             _loaded = True
         except Exception as exc:  # noqa: BLE001 - the torch versions of the kernels serve instead
             log.warning("specstream's CPU kernels are unavailable, torch's ops serve instead: %s: %s", type(exc).__name__, exc)
