@@ -85,8 +85,15 @@ def _add_serve(sub) -> None:
         dest="compile",
         action="store_false",
         default=engine.compile,  # SPECSTREAM_COMPILE, read by EngineConfig
-        help="run the forward eager: skip torch.compile of decode/verification steps (compiled at start-up, "
-        "cached on disk; the first start on a machine takes about 20 s more)",
+        help="run the forward eager: skip torch.compile of decode/verification steps (compiled in the background "
+        "while the eager forward serves, and cached on disk)",
+    )
+    a(
+        "--compile-before-serving",
+        action="store_true",
+        default=_env("compile_before_serving", "") in ("1", "true"),
+        help="compile before /health answers 200, not in the background while serving (a first start on a "
+        "machine then takes about two minutes more before it serves)",
     )
     a(
         "--allow-special-tokens-in-content",
@@ -140,6 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         deterministic=args.deterministic,
         compile=args.compile,
+        compile_in_background=not args.compile_before_serving,
         speculative=SpeculativeConfig(
             method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -172,9 +180,11 @@ def _serve(args: argparse.Namespace) -> int:
     if sock is None:
         return 1
     from specstream import ModelError, check_draft_head, resolve_model
+    from specstream.engine.builder import EngineBuilder
     from specstream.model.loader import read_chat_template
 
     try:
+        EngineBuilder(config).build_kernels_ahead()  # the compiler runs while the model converts
         # Fail fast on a bad name or template (and convert the bundled model) before the server starts.
         resolve_model(args.model)
         if args.chat_template:
