@@ -290,3 +290,44 @@ def test_default_model_int4_greedy_speculative_equals_plain_batched(monkeypatch)
     assert [o.token_ids for o in got] == want
     assert sum(o.stats.accepted for o in got) > 0
     assert isinstance(spec.runner.fast.lm_head, Linear) and spec.runner.fast.lm_head.shape == (49152, 576)
+
+
+def test_projections_built_once_are_loaded_from_their_kept_file_and_built_again_when_damaged(monkeypatch, caplog):
+    """A restart loads the projections an earlier start built (kernels/kept_weights.py) without reading
+    the source's blocks, and they serve the same logits; a truncated file is built again, never loaded."""
+    from specstream.engine.builder import EngineBuilder
+    from specstream.kernels.kept_weights import KeptWeights
+    from specstream.model.loader import resolve_model
+    from specstream.model.runner import ForwardItem
+
+    def fixed_routes(linears, *args):
+        for lin in linears:
+            lin.max_packed_rows = 1
+        return []
+
+    def logits(engine) -> torch.Tensor:
+        table: list[int] = []
+        assert engine.pool.reserve(table, 13)
+        try:
+            return torch.cat([engine.runner.forward([ForwardItem(table, 0, list(range(100, 112)), 12)]),
+                              engine.runner.forward([ForwardItem(table, 12, [7], 1)])])  # fmt: skip
+        finally:
+            engine.pool.free(table)
+
+    monkeypatch.setattr(routes, "choose_kernels", fixed_routes)
+    config = EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="off"))
+    path = EngineBuilder(config).kept_projections(resolve_model(config.model))
+    path.unlink(missing_ok=True)
+    want = logits(Engine(config, log=False))
+    assert KeptWeights(path, torch.device("cpu")).found
+
+    def no_source(*args):
+        raise AssertionError("the source's blocks were read again")
+
+    with monkeypatch.context() as m:
+        m.setattr(quant, "source_int4_weights", no_source)
+        assert torch.equal(logits(Engine(config, log=False)), want)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    with caplog.at_level("WARNING", logger="specstream.kernels.kept_weights"):
+        assert torch.equal(logits(Engine(config, log=False)), want)
+    assert "cannot be read" in caplog.text and KeptWeights(path, torch.device("cpu")).found  # written again

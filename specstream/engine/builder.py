@@ -174,10 +174,11 @@ class EngineBuilder:
             if mode in ("int4", "int8"):
                 raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
             return ModelRunner(model, pool, tile=tile), "dense"
-        factory = quant.make_factory(mode, model, gguf_file(source), self.dtype, self.device)
+        factory = quant.make_factory(mode, model, gguf_file(source), self.dtype, self.device, self.kept_projections(source))
         if factory is None:
             return ModelRunner(model, pool, tile=tile), "dense"
         runner = ModelRunner(model, pool, linear=factory, tile=tile)
+        factory.keep()
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
         routes_file = calibration.cache_file(
             "routes", source, self.dtype, self.device, [mode, self.config.max_num_batched_tokens, factory.kernel_kinds]
@@ -186,6 +187,15 @@ class EngineBuilder:
             factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file
         )
         return runner, routes.describe(factory, choices)
+
+    def kept_projections(self, source: ModelSource) -> Path | None:
+        """Where the projections built for this model and configuration are kept between starts
+        (kernels/kept_weights.py), keyed like the start-up timings; None: not kept."""
+        mode = self.config.quantization
+        if mode == "none":
+            return None
+        key = calibration.cache_file("projections", source, self.dtype, self.device, [mode, *quant.kept_key(self.device)])
+        return key.parent.parent / "projections" / f"{key.stem}.safetensors" if key is not None else None
 
     def compile(self, runner: ModelRunner) -> str:
         """The forward's compiled steps (runner.compile), after the kernel routes are settled; a line

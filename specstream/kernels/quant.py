@@ -20,12 +20,16 @@ both, 8-bit blocks as two 4-bit planes (Int8Blocks.planes).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specstream.config import QUANTIZATION_MODES
+from specstream.kernels import kept_weights as kept_weights_module
+from specstream.kernels import weights as weights_module
+from specstream.kernels.kept_weights import KeptWeights
 from specstream.kernels.weights import GROUP, Int4Weights, Int8Blocks, SourceWeights, source_int4_weights
 
 
@@ -210,6 +214,7 @@ class LinearFactory:
         device: torch.device,
         source_int4: dict[str, SourceWeights] | None = None,
         shared: tuple[torch.Tensor, ...] = (),
+        kept: KeptWeights | None = None,
     ) -> None:
         if mode not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
@@ -221,6 +226,7 @@ class LinearFactory:
         # gets its own dense copy before quantization rewrites it.
         self._shared = {t.untyped_storage().data_ptr() for t in shared}
         self.built: list[Linear] = []
+        self.kept = kept  # projections an earlier start built (kept_weights.py); None: not kept
 
     def __call__(self, names: list[str], weight: torch.Tensor) -> Linear:
         """A projection for `weight` (dense, [N, K]; several parameters fused along N, named in order).
@@ -231,6 +237,11 @@ class LinearFactory:
         return linear
 
     def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
+        if self.kept is not None and self.kept.found and (hit := self.kept.lookup(names)) is not None:
+            packed, effective = hit
+            if packed is None:
+                return Linear(names, weight)
+            return self._holding(names, weight, packed, effective)
         source = [self.source_int4.get(n) for n in names]
         q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
         int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)
@@ -249,10 +260,19 @@ class LinearFactory:
             effective = packed.codes.float() * packed.scales.float()[:, None]
         else:
             return Linear(names, weight)
+        return self._holding(names, weight, packed, effective)
+
+    def _holding(self, names: list[str], weight: torch.Tensor, packed, effective: torch.Tensor) -> Linear:
         if weight.untyped_storage().data_ptr() in self._shared:
             weight = torch.empty_like(weight)
         weight.copy_(effective)
         return Linear(names, weight, packed)
+
+    def keep(self) -> None:
+        """Keep what was built for the next start, unless it was loaded from there (call before routes
+        release dense copies)."""
+        if self.kept is not None and not self.kept.found:
+            self.kept.save(self.built)
 
     def _cpu_kernels(self) -> bool:
         """Whether specstream's block kernels serve here (CPU, and they built)."""
@@ -294,16 +314,33 @@ def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int
 
 
 def make_factory(
-    mode: str, model, gguf_path: str | Path | None, dtype: torch.dtype, device: torch.device
+    mode: str, model, gguf_path: str | Path | None, dtype: torch.dtype, device: torch.device, kept_path: Path | None = None
 ) -> LinearFactory | None:
     """The projections' factory for a model loaded from a GGUF file at gguf_path (or None), or None
-    when every projection stays dense as loaded ("none", or "auto" with no 4-bit weights in the source)."""
+    when every projection stays dense as loaded ("none", or "auto" with no 4-bit weights in the source).
+    kept_path: where the projections built for exactly this model and configuration are kept between
+    starts (kept_weights.py; the caller keys it); found there, the source's blocks are not read at all."""
     if mode == "none":
         return None
     if mode == "auto" and device.type != "cpu":
         return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
+    kept = KeptWeights(kept_path, torch.device(device)) if kept_path is not None else None
+    shared = (model.get_input_embeddings().weight,)
+    if kept is not None and kept.found:
+        return LinearFactory(mode, dtype, device, shared=shared, kept=kept)
     text = model.config.get_text_config()
     source = source_int4_weights(gguf_path, text) if gguf_path and mode in ("auto", "int4") else {}
     if mode == "auto" and not source:
         return None
-    return LinearFactory(mode, dtype, device, source, shared=(model.get_input_embeddings().weight,))
+    return LinearFactory(mode, dtype, device, source, shared=shared, kept=kept)
+
+
+def kept_key(device: torch.device) -> list:
+    """What kept projections depend on besides the model, dtype and device (the caller's key): whether
+    specstream's kernels serve, and the code that builds and reads them."""
+    from specstream.kernels import cpu as cpu_kernels
+
+    h = hashlib.sha256()
+    for module in (__file__, weights_module.__file__, kept_weights_module.__file__):
+        h.update(Path(module).read_bytes())
+    return [torch.device(device).type == "cpu" and cpu_kernels.load(), h.hexdigest()[:16]]

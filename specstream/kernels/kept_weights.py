@@ -1,0 +1,114 @@
+"""Projections as quant.LinearFactory built them, kept on disk so that a restart loads them instead of
+building them again.
+
+Building the bundled model's projections reads the GGUF file's blocks (from the int4 cache), repacks them
+into the kernels' layouts and dequantizes each weight to overwrite the dense copy with what the packed
+kernel computes: seconds of start-up, every start. The result is a function of the weights, the mode,
+the dtype, the device, whether specstream's kernels serve, and this package's code; the builder keys a
+file by all of them (calibration.cache_file's scheme), so a file found is the result exactly.
+
+One safetensors file per key: each projection's packed kernel tensors and its dense copy, with a JSON
+index (kind, shape, bits, tensor names) in the file's metadata. A file that cannot be read whole (a
+half-written one: writes go to a temporary name, renamed when complete; a truncated one; an older
+layout) is ignored, logged, and written again by this start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specstream.kernels.kept_weights")
+
+# Bumped when what a file holds changes meaning.
+FORMAT = 1
+
+
+class KeptPacked:
+    """A projection's packed weights as loaded from a kept file: what the kernel reads (quant.Kernel)."""
+
+    def __init__(self, kernel: tuple, shape: tuple[int, int], bits: int) -> None:
+        self.kernel = kernel
+        self.shape = shape
+        self.bits = bits
+        self.nbytes = sum(t.nbytes for t in kernel[1:] if isinstance(t, torch.Tensor))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from specstream.kernels.quant import project
+
+        return project(self.kernel, x)
+
+
+class KeptWeights:
+    """The projections kept at `path` (none where it holds no readable file), looked up by parameter names."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        self.path = path
+        self.device = device
+        self.index: dict[str, dict] = {}
+        self._file = None
+        if path.is_file():
+            try:
+                from safetensors import safe_open
+
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                meta = handle.metadata() or {}
+                if int(meta.get("format", -1)) != FORMAT:
+                    raise ValueError(f"format {meta.get('format')}, not {FORMAT}")
+                index = json.loads(meta["projections"])
+                missing = {t for entry in index.values() for t in entry["tensors"]} - set(handle.keys())
+                if missing:
+                    raise ValueError(f"{len(missing)} tensors missing")
+                self.index, self._file = index, handle
+            except Exception as exc:  # noqa: BLE001 - a damaged file is built again
+                log.warning("the kept projections %s cannot be read (%s: %s); building them again", path, type(exc).__name__, exc)
+
+    @property
+    def found(self) -> bool:
+        return self._file is not None
+
+    def lookup(self, names: list[str]):
+        """(packed or None, dense tensor or None) for the projection fusing `names`; None where not kept."""
+        entry = self.index.get("|".join(names))
+        if entry is None:
+            return None
+        tensors = [self._tensor(name) for name in entry["tensors"]]
+        dense = self._tensor(entry["dense"]) if entry["dense"] else None
+        if entry["kind"] == "dense":
+            return None, dense
+        return KeptPacked((entry["kind"], *tensors), tuple(entry["shape"]), entry["bits"]), dense
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self._file.get_tensor(name).to(self.device)
+
+    def save(self, built: list) -> None:
+        """Keep the factory's projections (quant.Linear, dense copies still whole: before routes release any)."""
+        from safetensors.torch import save_file
+
+        index, tensors = {}, {}
+        for i, lin in enumerate(built):
+            entry = {"kind": "dense", "tensors": [], "dense": None, "shape": list(lin.shape), "bits": 16}
+            if lin.packed is not None:
+                kind, *parts = lin.packed.kernel
+                names = [f"{i}.{j}" for j, t in enumerate(parts) if isinstance(t, torch.Tensor)]
+                tensors.update({n: t for n, t in zip(names, parts)})
+                entry.update(kind=kind, tensors=names, bits=lin.packed.bits)
+                if lin.dense is not None:
+                    entry["dense"] = f"{i}.dense"
+                    tensors[entry["dense"]] = lin.dense
+            index["|".join(lin.names)] = entry
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                str(partial),
+                metadata={"format": str(FORMAT), "projections": json.dumps(index)},
+            )
+            partial.replace(self.path)  # a concurrent reader sees the whole file or none
+        except OSError as exc:
+            log.warning("could not keep the projections in %s: %s", self.path, exc)
