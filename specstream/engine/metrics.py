@@ -147,15 +147,16 @@ class VllmSeries:
             metric.add_metric(list(labels.values()), value)
             return metric
 
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
         usage = "KV-cache usage. 1 means 100 percent usage."
-        yield series(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.", m.running)
-        yield series(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting)
-        yield series(GaugeMetricFamily, "vllm:kv_cache_usage_perc", usage, m.kv_cache_usage)
-        yield series(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", usage + " (vLLM's older name)", m.kv_cache_usage)
+        yield series(gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", m.running)
+        yield series(gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m.waiting)
+        yield series(gauge, "vllm:kv_cache_usage_perc", usage, m.kv_cache_usage)
+        yield series(gauge, "vllm:gpu_cache_usage_perc", usage + " (vLLM's older name)", m.kv_cache_usage)
         queries, hits = m.prefix_totals.queries, m.prefix_totals.hits
         for prefix in ("vllm:", "vllm:gpu_"):
-            yield series(CounterMetricFamily, f"{prefix}prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
-            yield series(CounterMetricFamily, f"{prefix}prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
+            yield series(counter, f"{prefix}prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
+            yield series(counter, f"{prefix}prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
         if self.cache is not None:
             c = self.cache
             info = {
@@ -166,6 +167,6 @@ class VllmSeries:
                 "cache_dtype": c.cache_dtype,
                 "engine": "0",
             }
-            config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
+            config = gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
             config.add_metric(list(info.values()), 1)
             yield config
