@@ -47,6 +47,7 @@ class CostModel:
 
     def __init__(self, tokens: list[int], seconds: list[float]) -> None:
         self.tokens = list(tokens)
+        self.stale = False  # a kept curve scaled to one step timed now, to be measured again (forward_cost)
         # A forward over more tokens never costs less; smooth out timing noise.
         self.seconds = []
         for s in seconds:
@@ -147,20 +148,26 @@ def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int
         return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes, repeats)
 
 
-def forward_cost(runner: ModelRunner, max_batched_tokens: int, kept: Path | None = None) -> CostModel:
+def forward_cost(runner: ModelRunner, max_batched_tokens: int, kept: Path | None = None, later: bool = False) -> CostModel:
     """The runner's forward time by step size. With a kept file, the curve an earlier start measured is
     read from it once a one-token step timed now agrees with it (TOLERANCE); else it is measured, and
-    kept."""
+    kept. later: where they disagree, return the kept curve scaled to the step timed now, marked stale,
+    for the caller to measure when it has the time (a server, once idle), rather than measure it now."""
     sizes, context = plan(max_batched_tokens, runner.pool.capacity)
     if (cost := CostModel.load(kept) if kept is not None else None) is not None:
         now = time_steps(runner, [1], context, repeats=5)
         if now is None or abs(now(1) / cost(1) - 1.0) <= TOLERANCE:
             return cost
         log.info(
-            "a one-token step takes %.2f ms now, %.2f ms in the kept forward-time curve: measuring it again",
+            "a one-token step takes %.2f ms now, %.2f ms in the kept forward-time curve: measuring it again%s",
             1e3 * now(1),
             1e3 * cost(1),
+            " once idle (until then the kept curve, scaled)" if later else "",
         )
+        if later:
+            scaled = CostModel(cost.tokens, [s * now(1) / cost(1) for s in cost.seconds])
+            scaled.stale = True
+            return scaled
     cost = time_steps(runner, sizes, context) or CostModel([1], [1.0])
     if kept is not None:
         cost.save(kept)

@@ -123,6 +123,26 @@ def test_a_cached_calibration_that_no_longer_fits_is_measured_again(default_mode
     assert second.policy.target_cost.seconds == again.seconds
 
 
+def test_a_server_scales_a_contradicted_calibration_and_measures_it_again_once_idle(default_model_source):
+    """A server (compile_in_background) starts serving on a kept curve that a step timed now contradicts,
+    scaled to that step, and measures the curve again at its first idle moment (Engine.idle)."""
+    from specstream import Engine, EngineConfig
+
+    config = EngineConfig(dtype="float32", compile=False, compile_in_background=True)
+    first = Engine(config, log=False)
+    path = first.calibration_file
+    kept = CostModel.load(path)
+    del first
+    CostModel(kept.tokens, [s * 4 for s in kept.seconds]).save(path)  # four times too slow
+    second = Engine(config, log=False)
+    scaled = second.policy.target_cost
+    assert scaled.stale and not second.priced and CostModel.load(path).seconds[0] == 4 * kept.seconds[0]
+    second.idle()
+    again = CostModel.load(path)
+    assert second.priced and not second.policy.target_cost.stale and second.policy.target_cost.seconds == again.seconds
+    assert again.seconds[0] < 2 * kept.seconds[0], (kept.seconds[0], again.seconds[0])
+
+
 def test_a_timing_kept_on_another_cpu_is_never_read(default_model_source, monkeypatch, tmp_path):
     """Kept timings are named by the processor (and threads, torch, dtype, weights): a cache volume moved
     to another CPU has none for it, so that CPU measures its own."""

@@ -117,7 +117,8 @@ class EngineBuilder:
         structured = StructuredDecoding(tokenizer, vocab_size, eos_token_ids, forced_drafts=spec.forced_drafts)
         proposer.constrain(structured.mask_draft_logits)
         pricing = Pricing(self, source, weights, runner, proposer)
-        target_cost, kept = pricing.price(forward)
+        # A server measures a contradicted curve once idle (Engine.idle), not before it serves.
+        target_cost, kept = pricing.price(forward, later=config.compile_in_background)
         k_max = spec.num_speculative_tokens if spec.enabled else 0
         policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost)
         processor = InputProcessor(
@@ -227,9 +228,10 @@ class Pricing:
     runner: ModelRunner
     proposer: Proposer
 
-    def price(self, forward: str) -> tuple[CostModel | None, Path | None]:
+    def price(self, forward: str, later: bool = False) -> tuple[CostModel | None, Path | None]:
         """The forward-time curve (None where k is not adaptive: no draft is priced) and the file it is
-        kept in between starts. A forward still compiling in the background is priced as eager."""
+        kept in between starts. A forward still compiling in the background is priced as eager. later: a
+        kept curve that a step timed now contradicts is scaled, not measured again (calibration.forward_cost)."""
         config = self.builder.config
         spec = config.speculative
         if forward.startswith("eager"):
@@ -237,7 +239,7 @@ class Pricing:
         kept = self.builder.calibration_file(self.source, f"{self.weights}; {forward}", self.runner.pool)
         if not (spec.enabled and spec.adaptive):
             return None, kept
-        target_cost = calibration.forward_cost(self.runner, config.max_num_batched_tokens, kept)
+        target_cost = calibration.forward_cost(self.runner, config.max_num_batched_tokens, kept, later)
         self.proposer.calibrate(target_cost, config.max_num_batched_tokens)
         return target_cost, kept
 

@@ -74,7 +74,9 @@ class Engine:
         self.calibration_file = parts.calibration_file
         self.pricing = parts.pricing
         self.forward_description = parts.forward
-        self.priced = True  # False: the forward changed (a background compile) since it was last priced
+        # False: the forward changed (a background compile) since it was last priced, or its price is a
+        # kept curve scaled at start-up (calibration.forward_cost's `later`)
+        self.priced = not getattr(self.policy.target_cost, "stale", False)
         self.resident_memory = parts.resident_memory  # bytes after each start-up phase
         self._requests: dict[str, Sequence] = {}
         cache = CacheConfigInfo(
