@@ -85,6 +85,21 @@ def test_create_gives_chats_reply_as_a_text_block(client, server):
     assert blocks.content[0].text == text
 
 
+def test_top_k_top_p_and_the_other_accepted_fields(client):
+    """top_k 1 (or a top_p so small) leaves the likeliest token: sampling equals greedy."""
+    greedy = create(client).content[0].text
+    for extra in ({"top_k": 1}, {"top_p": 1e-9}):
+        m = client.messages.create(
+            model=MODEL,
+            max_tokens=12,
+            messages=MESSAGES,
+            metadata={"user_id": "u1"},
+            thinking={"type": "disabled"},
+            extra_body={"temperature": 1.0, **extra},
+        )
+        assert m.content[0].text == greedy
+
+
 def test_stop_sequences_end_with_stop_sequence_naming_it(client):
     text = create(client, max_tokens=16).content[0].text
     stop = text[6:9]
@@ -155,6 +170,19 @@ def test_streamed_tool_use_assembles_to_the_unstreamed_input(client):
     partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
     assert json.loads(partial) == final.content[0].input == plain.content[0].input
     assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
+
+
+def test_auto_tool_choice_and_error_results(client):
+    m = create(client, tools=[WEATHER], tool_choice={"type": "auto"}, max_tokens=30)
+    assert m.stop_reason in ("tool_use", "max_tokens", "end_turn")
+    assert all(b.type == "tool_use" for b in m.content) if m.stop_reason == "tool_use" else m.content[0].type == "text"
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "no such city"}]}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "X", "unit": "c"}}
+    turns = [*MESSAGES, {"role": "assistant", "content": [call]}]
+    failed = client.messages.count_tokens(model=MODEL, messages=[*turns, {"role": "user", "content": [result]}])
+    result["is_error"] = True
+    errored = client.messages.count_tokens(model=MODEL, messages=[*turns, {"role": "user", "content": [result]}])
+    assert errored.input_tokens > failed.input_tokens  # said so in the prompt
 
 
 def test_output_config_json_schema_gives_valid_json(client):

@@ -101,6 +101,27 @@ def test_input_items_with_text_parts_equal_the_string_input(client):
     )
 
 
+def test_every_other_accepted_field(client):
+    """top_p (so small that only the likeliest token is left: greedy), metadata and the fields
+    accepted for clients that always send them."""
+    r = client.responses.create(
+        model=MODEL,
+        input=PROMPT,
+        temperature=1.0,
+        top_p=1e-9,
+        max_output_tokens=8,
+        metadata={"run": "7"},
+        user="u1",
+        safety_identifier="s1",
+        prompt_cache_key="k1",
+        truncation="disabled",
+        reasoning={"effort": "low"},
+        include=["reasoning.encrypted_content"],
+    )
+    assert r.output_text == create(client, max_output_tokens=8).output_text
+    assert r.metadata == {"run": "7"} and r.top_p == 1e-9 and r.user == "u1"
+
+
 # ------------------------------------------------------------------------ streaming
 def test_stream_sends_the_typed_events_in_order_and_the_helper_assembles_the_same_text(client):
     with client.responses.stream(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=20) as stream:
@@ -222,6 +243,9 @@ def test_unknown_unstored_and_other_keys_responses_are_404(client, other_client)
         create(other_client, previous_response_id=stored.id, max_output_tokens=2)
     assert caught.value.body["param"] == "previous_response_id"
     assert client.responses.retrieve(stored.id).id == stored.id
+    with client.responses.stream(model=MODEL, input=PROMPT, max_output_tokens=2, store=True) as stream:
+        streamed = stream.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
 
 
 def test_the_store_is_bounded_per_key_oldest_out_first(client, other_client):
