@@ -108,9 +108,8 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     truncation: Literal["disabled"] | None = None
-    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = Field(
-        default=None, max_length=8
-    )
+    # Only what there is nothing to add for (no reasoning items); asking for logprobs is a 400, not ignored.
+    include: list[Literal["reasoning.encrypted_content"]] | None = Field(default=None, max_length=8)
     reasoning: Reasoning | None = None
     background: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None
