@@ -43,6 +43,13 @@ def cache_dir() -> Path:
     return Path(base) / "specstream"
 
 
+def point_inductor_here() -> None:
+    """Put inductor's on-disk cache (its compiled kernels, the probe builds that pick the CPU's vector
+    instructions) under specstream's cache, unless TORCHINDUCTOR_CACHE_DIR says otherwise. Called before
+    anything asks inductor for its cache: its first answer (default: /tmp/torchinductor_<user>) sticks."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def load_json(path: Path | None):
     """A kept file's content, or None when it is missing or does not parse."""
     if path is None:

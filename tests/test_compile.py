@@ -324,3 +324,38 @@ async def test_the_async_engine_installs_a_background_compile_when_idle(tiny_mod
                 break
             await asyncio.sleep(0.1)
         assert engine.runner.fast.compiled_rows > 0 and engine.priced
+
+
+_COMPILED_RUN = """
+import sys
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+spec = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
+engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", compile=True, speculative=spec), log=False)
+out = engine.generate(["The quick brown fox jumps over the lazy dog. The quick brown fox"],
+                      SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+print("tokens", out[0].token_ids, "compiled_rows", engine.runner.fast.compiled_rows)
+"""
+
+
+def test_a_truncated_inductor_cache_never_crashes_nor_changes_the_tokens(tiny_model_dir, tmp_path):
+    """Every file of inductor's on-disk cache cut to half (a full disk, a killed write) and the kept
+    functions gone: a new process compiles again and gives the tokens it gave before."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECSTREAM_CACHE_DIR": str(tmp_path), "SPECSTREAM_COMPILE": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+    def run() -> str:
+        done = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(tiny_model_dir)], env=env, capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    first = run()
+    files = [p for p in (tmp_path / "inductor").rglob("*") if p.is_file() and p.stat().st_size > 1]
+    assert files and "compiled_rows 0" not in first
+    for p in files:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    shutil.rmtree(tmp_path / "compiled")
+    assert run() == first

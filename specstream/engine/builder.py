@@ -30,6 +30,7 @@ from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.model.loader import (
     ModelSource,
     gguf_file,
+    is_gguf_name,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -149,9 +150,12 @@ class EngineBuilder:
         return parts
 
     def build_kernels_ahead(self) -> None:
-        """Start building specstream's CPU kernels where this configuration uses them, so that the compiler
-        runs while the model loads (and converts, the first time); a no-op once they are built."""
-        if self.device.type == "cpu" and (self.config.quantization != "none" or self.config.compile):
+        """Start building specstream's CPU kernels where this configuration uses them (the compiled forward,
+        a GGUF file's blocks, int4), so that the compiler runs while the model loads (and converts, the first
+        time); a no-op once they are built."""
+        config = self.config
+        blocks = config.quantization == "int4" or config.quantization == "auto" and is_gguf_name(config.model)
+        if self.device.type == "cpu" and (blocks or config.compile and not config.deterministic):
             cpu_kernels.build_ahead()
 
     def pool_tokens(self, model) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specstream.cache import cache_dir
+from specstream.cache import cache_dir, point_inductor_here
 
 log = logging.getLogger("specstream.kernels.cpu")
 
@@ -101,6 +101,7 @@ def load() -> bool:
 
 def _command(source: list[Path]) -> list[str]:
     """The compiler's command line, less its output file."""
+    point_inductor_here()  # before inductor loads: pick_vec_isa's probe builds go to its cache
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch.utils import cpp_extension
 

@@ -28,21 +28,6 @@ log = logging.getLogger("specstream.kernels.kept_weights")
 FORMAT = 1
 
 
-class KeptPacked:
-    """A projection's packed weights as loaded from a kept file: what the kernel reads (quant.Kernel)."""
-
-    def __init__(self, kernel: tuple, shape: tuple[int, int], bits: int) -> None:
-        self.kernel = kernel
-        self.shape = shape
-        self.bits = bits
-        self.nbytes = sum(t.nbytes for t in kernel[1:] if isinstance(t, torch.Tensor))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from specstream.kernels.quant import project
-
-        return project(self.kernel, x)
-
-
 class KeptWeights:
     """The projections kept at `path` (none where it holds no readable file), looked up by parameter names."""
 
@@ -71,16 +56,15 @@ class KeptWeights:
     def found(self) -> bool:
         return self._file is not None
 
-    def lookup(self, names: list[str]):
-        """(packed or None, dense tensor or None) for the projection fusing `names`; None where not kept."""
+    def lookup(self, names: list[str]) -> tuple[tuple | None, tuple[int, int], int, torch.Tensor | None] | None:
+        """For the projection fusing `names`: its packed kernel ((kind, *tensors), as quant.project takes it;
+        None: held dense), shape, bits, and dense copy (or None). None where it is not kept."""
         entry = self.index.get("|".join(names))
         if entry is None:
             return None
-        tensors = [self._tensor(name) for name in entry["tensors"]]
         dense = self._tensor(entry["dense"]) if entry["dense"] else None
-        if entry["kind"] == "dense":
-            return None, dense
-        return KeptPacked((entry["kind"], *tensors), tuple(entry["shape"]), entry["bits"]), dense
+        kernel = None if entry["kind"] == "dense" else (entry["kind"], *(self._tensor(n) for n in entry["tensors"]))
+        return kernel, tuple(entry["shape"]), entry["bits"], dense
 
     def _tensor(self, name: str) -> torch.Tensor:
         return self._file.get_tensor(name).to(self.device)

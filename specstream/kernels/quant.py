@@ -170,6 +170,19 @@ class PackedInt8:
         return project(self.kernel, x)
 
 
+class KeptPacked:
+    """A projection's packed weights as an earlier start built them, loaded from its kept file (kept_weights.py)."""
+
+    def __init__(self, kernel: Kernel, shape: tuple[int, int], bits: int) -> None:
+        self.kernel = kernel
+        self.shape = shape
+        self.bits = bits
+        self.nbytes = sum(t.nbytes for t in kernel[1:] if isinstance(t, torch.Tensor))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
 class Linear:
     """One projection: the packed kernel for calls of at most max_packed_rows rows, the dense copy above."""
 
@@ -238,10 +251,10 @@ class LinearFactory:
 
     def _build(self, names: list[str], weight: torch.Tensor) -> Linear:
         if self.kept is not None and self.kept.found and (hit := self.kept.lookup(names)) is not None:
-            packed, effective = hit
-            if packed is None:
+            kernel, shape, bits, effective = hit
+            if kernel is None:
                 return Linear(names, weight)
-            return self._holding(names, weight, packed, effective)
+            return self._holding(names, weight, KeptPacked(kernel, shape, bits), effective)
         source = [self.source_int4.get(n) for n in names]
         q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
         int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)

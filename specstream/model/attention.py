@@ -26,10 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
-from specstream.memory.kv import KVPool
-from specstream.model.loader import ModelError
+from specstream.cache import point_inductor_here
+
+# Before transformers' modeling code loads: it asks inductor for its cache directory, which then sticks.
+point_inductor_here()
+
+from transformers import AttentionInterface  # noqa: E402
+
+from specstream.memory.kv import KVPool  # noqa: E402
+from specstream.model.loader import ModelError  # noqa: E402
 
 ATTN_IMPLEMENTATION = "specstream_packed"
 # Arguments transformers passes that do not change what attention computes here.

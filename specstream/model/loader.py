@@ -91,6 +91,11 @@ def bundled_gguf_path(model: BundledModel) -> Path:
     )
 
 
+def is_gguf_name(name: str) -> bool:
+    """Whether a model name stands for GGUF weights (a bundled model, a .gguf path), without converting."""
+    return name in BUNDLED_MODELS or Path(name).suffix == ".gguf"
+
+
 def resolve_model(name: str) -> ModelSource:
     """Turn a model name into a ModelSource, converting a bundled model on first use."""
     if not name.strip():

@@ -19,7 +19,6 @@ k + 1 verified tokens, in a prefill chunk or beside other sequences. The price i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from specstream.model.attention import AttentionGroup, StepContext, model_geomet
 from specstream.model.fast_llama import FastLlama, dense_linear
 from specstream.memory.kv import KVPool
 from specstream.model.loader import ModelError
-from specstream.cache import cache_dir
+from specstream.cache import cache_dir, point_inductor_here
 
 log = logging.getLogger("specstream.model.runner")
 
@@ -108,7 +107,7 @@ class ModelRunner:
         The warm-up's scratch blocks are reserved here, so that thread never touches the pool's allocator."""
         if self.fast is None:
             return "eager (transformers modules)"
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        point_inductor_here()
         tables = [self.pool.new_table(), self.pool.new_table()]
         if not all(self.pool.reserve(t, 40) for t in tables):
             for t in tables:
