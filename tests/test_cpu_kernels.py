@@ -3,7 +3,6 @@ step's attention gives, for every layout a step can have, and a machine that can
 keeps the torch version."""
 
 import logging
-import subprocess
 import shutil
 from pathlib import Path
 
@@ -145,18 +144,14 @@ def test_a_machine_that_cannot_build_the_kernels_keeps_the_torch_version(monkeyp
 def test_a_damaged_kernel_library_is_built_again_never_loaded(monkeypatch, tmp_path, caplog):
     """A kept library whose bytes no longer match the digest recorded at its build (truncated by a full
     disk, overwritten) is rebuilt before anything loads it. The compiler here is a stand-in."""
-    builds, run = [], subprocess.run
+    builds = []
 
-    def compile_stand_in(command, **kwargs):
-        if "-o" not in command:  # not the kernels' build (torch probing the CPU, say)
-            return run(command, **kwargs)
-        out = Path(command[command.index("-o") + 1])
+    def compile_stand_in(command, out: Path):
         out.write_bytes(b"\x7fELF library built %d" % len(builds))
         builds.append(out)
-        return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", compile_stand_in)
+    monkeypatch.setattr(cpu_kernels, "_compile_and_link", compile_stand_in)
     first = cpu_kernels._build()
     assert len(builds) == 1 and cpu_kernels._build() == first and len(builds) == 1  # kept: not built again
     first.write_bytes(first.read_bytes()[:5])  # truncated

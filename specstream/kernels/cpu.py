@@ -159,9 +159,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
+        _compile_and_link(command, Path(tmp))
         digest.write_text(_sha256(Path(tmp)) + "\n")
         os.replace(tmp, target)
     finally:
@@ -169,6 +167,29 @@ def _build() -> Path:
             os.unlink(tmp)
     log.info("built specstream's CPU kernels into %s", directory)
     return target
+
+
+def _compile_and_link(command: list[str], out: Path) -> None:
+    """Run `command` (_command's: every source, then the libraries) as one compiler process per source, at
+    once, and a link: the sources parse the same large headers, so on two cores this takes about half the
+    time of one process compiling them in turn."""
+    sources = [str(s) for s in SOURCES]
+    libraries = command.index(f"-L{Path(torch.__file__).parent / 'lib'}")
+    flags = [c for c in command[:libraries] if c not in sources and c != "-shared"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = [str(Path(tmp) / f"{Path(s).stem}.o") for s in sources]
+        runs = [subprocess.Popen([*flags, "-c", s, "-o", o], stderr=subprocess.PIPE, text=True) for s, o in zip(sources, objects)]
+        errors = []
+        for run in runs:
+            _, err = run.communicate(timeout=600)
+            if run.returncode != 0:
+                errors.append(err.strip()[-2000:])
+        if errors:
+            raise RuntimeError(f"the C++ build failed: {errors[0]}")
+        link = [command[0], "-shared", "-fopenmp", *objects, *command[libraries:], "-o", str(out)]
+        done = subprocess.run(link, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"linking the C++ kernels failed: {done.stderr.strip()[-2000:]}")
 
 
 def _sha256(path: Path) -> str:
