@@ -202,7 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
         "loading '%s' (%s speculation); /health answers 503 until it is ready", args.model, args.speculative_method
     )
     engine = AsyncEngine(config, max_waiting=args.max_waiting)
-    return serve(
+    code = serve(
         engine,
         settings,
         host=args.host,
@@ -211,6 +211,15 @@ def _serve(args: argparse.Namespace) -> int:
         sock=sock,
         shutdown_timeout=args.shutdown_timeout,
     )
+    if engine.engine is not None and engine.engine.compiling:
+        # A background compile cannot be stopped, and finalizing the interpreter under its threads aborts
+        # the process (C++ terminate): with the server done and the logs flushed, end here.
+        logging.getLogger("specstream.gateway").info("leaving the background compile unfinished")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -144,10 +144,11 @@ class Engine:
 
     def idle(self) -> None:
         """Work for a moment without requests: install a finished background compile, price a forward that
-        changed (timing steps on scratch blocks: a few seconds the first time, milliseconds with a kept
-        curve), and hand freed heap memory back to the system."""
+        changed once no compile runs (timing steps on scratch blocks: a few seconds the first time,
+        milliseconds with a kept curve), and hand freed heap memory back to the system."""
         self.upgrade()
-        if not self.priced:
+        # Not while a compile runs beside: its load would skew the timings, which are kept.
+        if not self.priced and not self.compiling:
             self.priced = True
             cost, kept = self.pricing.price(self.forward_description)
             self.calibration_file = kept

@@ -19,6 +19,7 @@ k + 1 verified tokens, in a prefill chunk or beside other sequences. The price i
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,16 @@ _KEY_BLOCK = 64
 # Query runs up to this long (decode, verification) attend in one group, longer ones (prefill
 # chunks) in another.
 _SHORT_RUN = 16
+
+
+def _lower_priority() -> None:
+    """Give this thread (and the compiler processes it starts, which inherit it) a lower CPU priority than
+    the engine thread's: on a few cores a background compile would otherwise slow every step it overlaps.
+    Linux sets niceness per thread; elsewhere nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass
@@ -124,6 +135,7 @@ class ModelRunner:
         pending = _PendingCompile(tables)
 
         def run() -> None:
+            _lower_priority()
             pending.result = self._compile(tables, layers_per_graph, whole_steps)
 
         pending.thread = threading.Thread(target=run, name="specstream-compile", daemon=True)
