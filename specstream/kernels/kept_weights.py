@@ -36,6 +36,7 @@ class KeptWeights:
         self.device = device
         self.index: dict[str, dict] = {}
         self._file = None
+        self.found = False  # the file was read: lookup() answers from it (until close())
         if path.is_file():
             try:
                 from safetensors import safe_open
@@ -48,18 +49,15 @@ class KeptWeights:
                 missing = {t for entry in index.values() for t in entry["tensors"]} - set(handle.keys())
                 if missing:
                     raise ValueError(f"{len(missing)} tensors missing")
-                self.index, self._file = index, handle
+                self.index, self._file, self.found = index, handle, True
             except Exception as exc:  # noqa: BLE001 - a damaged file is built again
                 log.warning("the kept projections %s cannot be read (%s: %s); building them again", path, type(exc).__name__, exc)
 
-    @property
-    def found(self) -> bool:
-        return self._file is not None
 
     def lookup(self, names: list[str]) -> tuple[tuple | None, tuple[int, int], int, torch.Tensor | None] | None:
         """For the projection fusing `names`: its packed kernel ((kind, *tensors), as quant.project takes it;
         None: held dense), shape, bits, and dense copy (or None). None where it is not kept."""
-        entry = self.index.get("|".join(names))
+        entry = self.index.get("|".join(names)) if self._file is not None else None
         if entry is None:
             return None
         dense = self._tensor(entry["dense"]) if entry["dense"] else None
@@ -67,7 +65,14 @@ class KeptWeights:
         return kernel, tuple(entry["shape"]), entry["bits"], dense
 
     def _tensor(self, name: str) -> torch.Tensor:
-        return self._file.get_tensor(name).to(self.device)
+        # A copy of its own: a tensor read from the file may share the file's mapping, which stays resident
+        # while anything references it (close() then frees it).
+        t = self._file.get_tensor(name)
+        return t.to(self.device) if self.device.type != "cpu" else t.clone()
+
+    def close(self) -> None:
+        """Let go of the file (its mapping counts in the process's resident memory while open)."""
+        self._file = None
 
     def save(self, built: list) -> None:
         """Keep the factory's projections (quant.Linear, dense copies still whole: before routes release any)."""

@@ -277,6 +277,8 @@ class LinearFactory:
 
     def _holding(self, names: list[str], weight: torch.Tensor, packed, effective: torch.Tensor) -> Linear:
         if weight.untyped_storage().data_ptr() in self._shared:
+            if torch.equal(weight, effective.to(weight.dtype)):
+                return Linear(names, weight, packed)  # it holds the packed weights' values already: no copy
             weight = torch.empty_like(weight)
         weight.copy_(effective)
         return Linear(names, weight, packed)
@@ -286,6 +288,8 @@ class LinearFactory:
         release dense copies)."""
         if self.kept is not None and not self.kept.found:
             self.kept.save(self.built)
+        if self.kept is not None:
+            self.kept.close()
 
     def _cpu_kernels(self) -> bool:
         """Whether specstream's block kernels serve here (CPU, and they built)."""
