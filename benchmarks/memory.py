@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -54,7 +55,7 @@ async def load(url: str, streams: int, max_tokens: int) -> int:
         return sum(await asyncio.gather(*(one(client, p) for p in prompts)))
 
 
-def run(flags: str, streams: int, max_tokens: int) -> dict:
+def run(flags: str, streams: int, max_tokens: int, settle: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,11 +70,13 @@ def run(flags: str, streams: int, max_tokens: int) -> dict:
             ready = memory_mib(proc.pid, "VmRSS")
             tokens = asyncio.run(load(url, streams, max_tokens))
             after, peak = memory_mib(proc.pid, "VmRSS"), memory_mib(proc.pid, "VmHWM")
+            time.sleep(settle)  # idle: the engine gives freed heap back (Engine.idle)
+            settled = memory_mib(proc.pid, "VmRSS")
         finally:
             proc.terminate()
             proc.wait(timeout=60)
         phases = re.search(r"resident memory (.*)$", log.read_text(), re.M)
-    return {"flags": flags or "(defaults)", "ready": ready, "after": after, "peak": peak, "tokens": tokens,
+    return {"flags": flags or "(defaults)", "ready": ready, "after": after, "settled": settled, "peak": peak, "tokens": tokens,
             "phases": phases.group(1) if phases else "?"}
 
 
@@ -82,12 +85,15 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["", "--speculative-method off"], help="serve flags, one string each")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds idle after the load before the last reading")
     args = ap.parse_args()
-    rows = [run(flags, args.streams, args.max_tokens) for flags in args.configs]
-    print(f"\n| serve flags | resident MiB when ready | after {args.streams} streams (peak) | tokens | start-up phases |")
-    print("|---|---:|---:|---:|---|")
+    rows = [run(flags, args.streams, args.max_tokens, args.settle) for flags in args.configs]
+    print(f"\n| serve flags | resident MiB when ready | after {args.streams} streams (peak) | {args.settle:g} s later | tokens "
+          "| start-up phases |")
+    print("|---|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['flags']} | {r['ready']:.0f} | {r['after']:.0f} ({r['peak']:.0f}) | {r['tokens']} | {r['phases']} |")
+        print(f"| {r['flags']} | {r['ready']:.0f} | {r['after']:.0f} ({r['peak']:.0f}) | {r['settled']:.0f} | {r['tokens']} "
+              f"| {r['phases']} |")
 
 
 if __name__ == "__main__":
