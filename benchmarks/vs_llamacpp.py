@@ -42,7 +42,7 @@ from specstream.model.loader import BUNDLED_MODELS, bundled_gguf_path  # noqa: E
 from specstream.cache import cache_dir
 
 CACHE = cache_dir() / "llama.cpp"
-# Portable flags: a -DGGML_NATIVE=ON build segfaulted at start-up on this AMX machine (FACTS.md).
+# Portable flags: a -DGGML_NATIVE=ON build segfaulted at start-up on an AMX machine.
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
     "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
