@@ -1,12 +1,14 @@
 """deploy/k8s, checked offline: every overlay renders (`kubectl kustomize`); every object validates,
 core objects against Kubernetes' schemas (kubernetes-validate, strict, at a pinned version) and
-custom ones against the CRDs vendored in deploy/k8s/crds; the Deployment's probes, security
-context and shutdown timing agree with what `specstream serve` does; what the pods reference
-exists; the endpoint picker reads series that /metrics serves; checkov finds nothing unjustified.
+the InferencePool and HTTPRoute against our own schemas of the fields we use (tests/k8s_schemas.py,
+strict on unknown fields); the Deployment's probes, security context and shutdown timing agree with
+what `specstream serve` does; what the pods reference exists; the endpoint picker reads series that
+/metrics serves; checkov finds nothing unjustified.
 
 Rendering needs kubectl (1.32, with kustomize 5.5); without it the checks of rendered overlays
-skip, saying so, and the sources are still validated file by file. The CRDs' CEL rules
-(x-kubernetes-validations) are not evaluated: jsonschema checks structure, types and bounds.
+skip, saying so, and the sources are still validated file by file. Those schemas are not the
+upstream CRDs and express one of their CEL rules only: `kubectl apply --dry-run=server` against a
+cluster with the CRDs installed is the full check (docs/KUBERNETES.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from k8s_schemas import SCHEMAS
 from specstream.config import EngineConfig
 from specstream.engine.metrics import CacheConfigInfo, EngineMetrics
 
@@ -35,10 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "inference-extension")
 KUBERNETES_VERSION = "1.32"
-CRDS = {
-    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml",
-}
 KUSTOMIZE_KINDS = ("Kustomization", "Component")
 SERVER = "specstream"  # the model server's Deployment and container
 
@@ -83,36 +82,20 @@ def source_objects() -> list[tuple[Path, dict]]:
 
 
 # --------------------------------------------------------------------------------- validation
-def strict(schema):
-    """A CRD's structural schema, refusing unknown fields as `kubectl apply --validate=strict` does."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        if not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-    return out
-
-
-@functools.cache
-def crd_schema(api_version: str, kind: str) -> dict:
-    crd = yaml.safe_load((K8S / "crds" / CRDS[(api_version, kind)]).read_text())
-    version = api_version.split("/")[1]
-    [served] = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
-    return strict(served["schema"]["openAPIV3Schema"])
-
-
 def validate(obj: dict) -> None:
     key = (obj["apiVersion"], obj["kind"])
-    if key in CRDS:
-        jsonschema.Draft4Validator(crd_schema(*key)).validate(obj)
+    if key in SCHEMAS:
+        jsonschema.Draft202012Validator(SCHEMAS[key]).validate(obj)
     else:
         kubernetes_validate.validate(copy.deepcopy(obj), KUBERNETES_VERSION, strict=True)
 
 
-def test_the_strict_crd_schema_refuses_unknown_fields_and_bad_values():
+def test_the_custom_resource_schemas_are_valid_schemas():
+    for schema in SCHEMAS.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_the_custom_resource_schemas_refuse_unknown_fields_missing_required_ones_and_bad_values():
     pool = {
         "apiVersion": "inference.networking.k8s.io/v1",
         "kind": "InferencePool",
@@ -123,12 +106,81 @@ def test_the_strict_crd_schema_refuses_unknown_fields_and_bad_values():
             "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
         },
     }
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "r"},
+        "spec": {
+            "parentRefs": [{"name": "gw"}],
+            "rules": [
+                {"backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "p"}]}
+            ],
+        },
+    }
     validate(pool)
-    for path, bad in ((("spec", "selectr"), {}), (("spec", "targetPorts"), [{"number": 70000}])):
-        broken = copy.deepcopy(pool)
-        broken[path[0]][path[1]] = bad
+    validate(route)
+    # A picker that is not a Service may leave the port out.
+    validate({**pool, "spec": {**pool["spec"], "endpointPickerRef": {"kind": "Picker", "name": "epp"}}})
+
+    def broken(obj: dict, path: str, value=None, delete: bool = False) -> dict:
+        out = copy.deepcopy(obj)
+        *parents, last = path.split(".")
+        node = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if delete:
+            del node[last]
+        else:
+            node[last] = value
+        return out
+
+    bad = [
+        broken(pool, "spec.selectr", {}),  # misspelled
+        broken(pool, "spec.selector", delete=True),  # required
+        broken(pool, "spec.selector.matchExpressions", []),  # not in v1: labels only
+        broken(pool, "spec.targetPorts", [{"number": 70000}]),
+        broken(pool, "spec.targetPorts", [{"number": 8000}, {"number": 8000}]),
+        broken(pool, "spec.targetPorts", []),
+        broken(pool, "spec.endpointPickerRef.name", delete=True),
+        broken(pool, "spec.endpointPickerRef.port", delete=True),  # required for a Service
+        broken(pool, "spec.endpointPickerRef.failureMode", "Open"),
+        broken(pool, "spec.appProtocol", "grpc"),
+        broken(pool, "metadata.nmae", "p"),
+        broken(route, "spec.parentRef", [{"name": "gw"}]),
+        broken(route, "spec.parentRefs.0.name", delete=True),
+        broken(route, "spec.rules.0.backendRefs.0.nmae", "p"),
+        broken(route, "spec.rules.0.backendRefs.0.name", delete=True),
+        broken(route, "spec.rules.0.timeouts", {"request": "10 minutes"}),
+        broken(route, "spec.rules.0.timeouts", {"requests": "600s"}),
+        broken(route, "spec.rules.0.retry", {"attempts": 2}),  # experimental channel only
+        broken(route, "spec.rules.0.matches", [{"path": {"type": "Prefix", "value": "/"}}]),
+    ]
+    for obj in bad:
         with pytest.raises(jsonschema.ValidationError):
-            validate(broken)
+            validate(obj)
+
+
+def test_our_inference_pool_and_route_fail_with_any_spec_field_misspelled_or_a_required_one_missing():
+    objects = [o for _, o in source_objects() if (o["apiVersion"], o["kind"]) in SCHEMAS]
+    assert sorted(o["kind"] for o in objects) == ["HTTPRoute", "InferencePool"]
+
+    def refusals(obj: dict) -> set[str]:
+        with pytest.raises(jsonschema.ValidationError):
+            validate(obj)
+        validator = jsonschema.Draft202012Validator(SCHEMAS[(obj["apiVersion"], obj["kind"])])
+        return {error.validator for error in validator.iter_errors(obj)}
+
+    for obj in objects:
+        validate(obj)
+        required = SCHEMAS[(obj["apiVersion"], obj["kind"])]["properties"]["spec"].get("required", [])
+        for field in obj["spec"]:
+            misspelled = copy.deepcopy(obj)
+            misspelled["spec"][field[:-1]] = misspelled["spec"].pop(field)
+            assert "additionalProperties" in refusals(misspelled), (obj["kind"], field)
+            if field in required:
+                missing = copy.deepcopy(obj)
+                del missing["spec"][field]
+                assert "required" in refusals(missing), (obj["kind"], field)
 
 
 def test_every_source_object_validates_without_rendering():
