@@ -108,3 +108,17 @@ class Reply:
             stats = self._take_stats() if final else None
             events.append(BlockEvent("stop", len(self.blocks) - 1, self._open, speculative=stats, final=final))
             self._open = None
+
+
+async def collect_reply(serving, choices) -> Reply:
+    """A whole (unstreamed) reply: every delta of the request's one choice fed into a Reply, through
+    `serving`'s own delta path and error shape (a ServingChat subclass); the choice's stream is closed."""
+    reply = Reply(serving.parsers[0])
+    try:
+        async for delta in serving.deltas(choices):
+            reply.feed(delta)
+    except Exception as exc:
+        raise serving.error(exc) from None
+    finally:
+        await choices.close()
+    return reply

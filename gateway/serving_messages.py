@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.choices import Choices
 from gateway.errors import APIError, params_renamed, renamed
 from gateway.protocol_messages import MessagesRequest
-from gateway.reply import Block, BlockEvent, Reply
+from gateway.reply import Block, BlockEvent, Reply, collect_reply
 from gateway.serving_chat import ServingChat
 from gateway.state import ServingState
 
@@ -108,14 +108,7 @@ class ServingMessages(ServingChat):
 
     # ---------------------------------------------------------------- responses
     async def full(self, choices: Choices) -> Response:
-        reply = Reply(self.parsers[0])
-        try:
-            async for delta in self.deltas(choices):
-                reply.feed(delta)
-        except Exception as exc:
-            raise self.error(exc) from None
-        finally:
-            await choices.close()
+        reply = await collect_reply(self, choices)
         content = [self.content_block(b) for b in reply.blocks]
         return JSONResponse(self.message(content, self.stop(reply), self.usage_body()))
 

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.choices import Choices
 from gateway.errors import APIError, params_renamed, renamed
 from gateway.protocol_responses import NamedFunctionChoice, ResponsesRequest, parse_item
-from gateway.reply import Block, BlockEvent, Reply
+from gateway.reply import Block, BlockEvent, Reply, collect_reply
 from gateway.serving_chat import ServingChat
 from gateway.state import ServingState
 
@@ -141,14 +141,7 @@ class ServingResponses(ServingChat):
 
     # ---------------------------------------------------------------- responses
     async def full(self, choices: Choices) -> Response:
-        reply = Reply(self.parsers[0])
-        try:
-            async for delta in self.deltas(choices):
-                reply.feed(delta)
-        except Exception as exc:
-            raise self.error(exc) from None
-        finally:
-            await choices.close()
+        reply = await collect_reply(self, choices)
         return JSONResponse(self.finished(reply))
 
     async def events(self, choices: Choices) -> AsyncIterator[dict]:

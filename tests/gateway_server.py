@@ -10,7 +10,32 @@ import time
 import httpx
 import uvicorn
 
-from specstream import AsyncEngine, RequestFailed
+from specstream import AsyncEngine, EngineConfig, RequestFailed, SpeculativeConfig
+
+
+# Schemas the API tests hold replies to: a small object, and a weather tool's arguments.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+def ngram_config(model_dir) -> EngineConfig:
+    """The gateway tests' engine: the tiny model in float32, n-gram drafts of up to 4."""
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    )
 
 
 def free_port() -> int:
@@ -43,7 +68,9 @@ class LiveServer:
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import LiveServer
-from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+from gateway_server import LiveServer, ngram_config
+from specstream import AsyncEngine, EngineConfig
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
@@ -27,11 +27,7 @@ LONE_SURROGATE = "\ud800"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-    )
+    config = ngram_config(tiny_model_dir)
     engine = AsyncEngine(config, max_waiting=16)
     with LiveServer(create_app(engine, GatewaySettings(served_model_name=MODEL, max_body_bytes=256 * 1024))) as live:
         live.engine = engine

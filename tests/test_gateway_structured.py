@@ -12,8 +12,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import LiveServer
-from specstream import AsyncEngine, EngineConfig, SpeculativeConfig
+from gateway_server import LiveServer, ngram_config
+from specstream import AsyncEngine
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. The quick brown fox"}]
@@ -72,11 +72,7 @@ HISTORY = CHAT + [
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-    )
+    config = ngram_config(tiny_model_dir)
     engine = AsyncEngine(config)
     with LiveServer(create_app(engine, GatewaySettings(served_model_name=MODEL))) as live:
         yield live

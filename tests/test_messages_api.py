@@ -15,39 +15,19 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import FaultInjectingEngine, LiveServer
-from specstream import EngineConfig, SpeculativeConfig
+from gateway_server import SCHEMA, WEATHER_PARAMETERS, FaultInjectingEngine, LiveServer, ngram_config
 
 MODEL = "tiny"
 KEY = "key-one"
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 MESSAGES = [{"role": "user", "content": PROMPT}]
 GREEDY = {"temperature": 0}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["name", "count"],
-    "additionalProperties": False,
-}
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-WEATHER = {"name": "get_weather", "description": "Weather in a city.", "input_schema": WEATHER_SCHEMA}
+WEATHER = {"name": "get_weather", "description": "Weather in a city.", "input_schema": WEATHER_PARAMETERS}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-    )
+    config = ngram_config(tiny_model_dir)
     settings = GatewaySettings(served_model_name=MODEL, api_keys=(KEY,), max_body_bytes=64 * 1024)
     with LiveServer(create_app(FaultInjectingEngine(config), settings)) as live:
         yield live
@@ -150,7 +130,7 @@ def test_tool_use_round_trip_with_tool_result(client):
     assert m.stop_reason == "tool_use"
     (call,) = m.content
     assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
-    jsonschema.validate(call.input, WEATHER_SCHEMA)
+    jsonschema.validate(call.input, WEATHER_PARAMETERS)
     follow = [
         *MESSAGES,
         {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},

@@ -13,28 +13,12 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway_server import FaultInjectingEngine, LiveServer
-from specstream import EngineConfig, SpeculativeConfig
+from gateway_server import SCHEMA, WEATHER_PARAMETERS, FaultInjectingEngine, LiveServer, ngram_config
 
 MODEL = "tiny"
 KEYS = ("key-one", "key-two")
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 CHAT = [{"role": "user", "content": PROMPT}]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["name", "count"],
-    "additionalProperties": False,
-}
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -45,11 +29,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-    )
+    config = ngram_config(tiny_model_dir)
     settings = GatewaySettings(served_model_name=MODEL, api_keys=KEYS, response_store_max_count=3)
     with LiveServer(create_app(FaultInjectingEngine(config), settings)) as live:
         yield live
