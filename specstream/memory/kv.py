@@ -25,6 +25,7 @@ exactly a plain one, and a plain list serves as its block table.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,13 +37,18 @@ UNBOUNDED = 2**40  # the capacity of a pool whose every layer is windowed
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros that take memory as they are first written. On CPU the bytes come from calloc, which maps
-    fresh pages the kernel zero-fills on first touch: a pool sized for many long sequences holds resident
-    only the blocks that sequences have used. Elsewhere, plain zeros."""
+    """Zeros that take memory as they are first written. On CPU the bytes are an anonymous mapping of their
+    own, fresh pages the kernel zero-fills on first touch: a pool sized for many long sequences holds
+    resident only the blocks that sequences have used. (Not calloc: it may reuse a freed heap chunk whose
+    pages were handed back, memory/heap.py, and must then write zeros over all of it.) Elsewhere, plain
+    zeros."""
     device = torch.device(device)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = np.zeros(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    raw = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)  # the array keeps the mapping alive
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
