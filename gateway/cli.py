@@ -64,6 +64,25 @@ def _add_serve(sub) -> None:
         default=None,
         help="accepted Bearer key; repeat for several (env: SPECSTREAM_API_KEYS, comma-separated)",
     )
+    _add_engine_flags(a, engine)
+    a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
+    a("--max-n", type=int, default=int(_env("max_n", "8")))
+    a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
+    a(
+        "--shutdown-timeout",
+        type=float,
+        default=float(_env("shutdown_timeout", str(DEFAULT_SHUTDOWN_TIMEOUT))),
+        help="on SIGTERM, seconds that requests in flight have to finish before they are cut "
+        f"(new ones get 503 meanwhile; 0..{MAX_SHUTDOWN_TIMEOUT:g}, default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    a("--log-level", default=_env("log_level", "info"))
+    no_playground = _env("no_playground", "") not in ("", "0")
+    a("--no-playground", action="store_true", default=no_playground, help="do not serve the chat page at /")
+    p.set_defaults(func=_serve)
+
+
+def _add_engine_flags(a, engine: EngineConfig) -> None:
+    """serve's flags for the engine's batching, caching, numerics and compile (defaults: EngineConfig's)."""
     a("--max-num-seqs", type=int, default=int(_env("max_num_seqs", engine.max_num_seqs)))
     a("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", engine.max_num_batched_tokens)))
     a("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None)
@@ -113,20 +132,6 @@ def _add_serve(sub) -> None:
         default=int(_env("seed", engine.seed)),
         help="seeds the draws for requests that bring no seed",
     )
-    a("--max-waiting", type=int, default=int(_env("max_waiting", "256")), help="queued requests before 429")
-    a("--max-n", type=int, default=int(_env("max_n", "8")))
-    a("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
-    a(
-        "--shutdown-timeout",
-        type=float,
-        default=float(_env("shutdown_timeout", str(DEFAULT_SHUTDOWN_TIMEOUT))),
-        help="on SIGTERM, seconds that requests in flight have to finish before they are cut "
-        f"(new ones get 503 meanwhile; 0..{MAX_SHUTDOWN_TIMEOUT:g}, default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
-    )
-    a("--log-level", default=_env("log_level", "info"))
-    no_playground = _env("no_playground", "") not in ("", "0")
-    a("--no-playground", action="store_true", default=no_playground, help="do not serve the chat page at /")
-    p.set_defaults(func=_serve)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

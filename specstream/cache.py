@@ -46,7 +46,7 @@ def cache_dir() -> Path:
 def point_inductor_here() -> None:
     """Put inductor's on-disk cache (its compiled kernels, the probe builds that pick the CPU's vector
     instructions) under specstream's cache, unless TORCHINDUCTOR_CACHE_DIR says otherwise. Called before
-    anything asks inductor for its cache: its first answer (default: /tmp/torchinductor_<user>) sticks."""
+    anything asks inductor for its cache: its first answer (default: a directory in the system temp dir) sticks."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
