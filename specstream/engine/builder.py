@@ -154,7 +154,7 @@ class EngineBuilder:
         a GGUF file's blocks, int4), so that the compiler runs while the model loads (and converts, the first
         time); a no-op once they are built."""
         config = self.config
-        blocks = config.quantization == "int4" or config.quantization == "auto" and is_gguf_name(config.model)
+        blocks = config.quantization in ("int4", "a8") or config.quantization == "auto" and is_gguf_name(config.model)
         if self.device.type == "cpu" and (blocks or config.compile and not config.deterministic):
             cpu_kernels.build_ahead()
 
@@ -176,7 +176,7 @@ class EngineBuilder:
         mode = self.config.quantization
         tile = INVARIANT_TILE if self.config.deterministic else 0
         if not fast_llama.supports(model):
-            if mode in ("int4", "int8"):
+            if mode in ("int4", "int8", "a8"):
                 raise ValueError(f"quantization {mode} needs a Llama-architecture model (the lean forward)")
             return ModelRunner(model, pool, tile=tile), "dense"
         factory = quant.make_factory(mode, model, gguf_file(source), self.dtype, self.device, self.kept_projections(source))

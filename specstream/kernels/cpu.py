@@ -33,7 +33,7 @@ from specstream.cache import cache_dir, point_inductor_here
 
 log = logging.getLogger("specstream.kernels.cpu")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 
 _lib = torch.library.Library("specstream", "DEF")
@@ -43,6 +43,8 @@ _lib.define(
 )
 _lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
+_lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
+_lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -58,6 +60,16 @@ def _q8_linear_shape(x, codes, scales):
 @torch.library.register_fake("specstream::q4_linear")
 def _q4_linear_shape(x, codes, scales, mins):
     return x.new_empty((x.shape[0], codes.shape[0] * codes.shape[2]))  # codes: [N / 16, K / 2, 16]
+
+
+@torch.library.register_fake("specstream::a8_linear")
+def _a8_linear_shape(x, codes, scales, mins, path=-1):
+    return x.new_empty((x.shape[0], codes.shape[0] * 16))  # codes: [N / 16, K / 32, 256 or 512]
+
+
+@torch.library.register_fake("specstream::a8_quantize")
+def _a8_quantize_shape(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], x.shape[1] // 32), dtype=torch.float32)
 
 
 _loaded: bool | None = None  # None: not tried yet
@@ -118,6 +130,8 @@ def _command(source: list[Path]) -> list[str]:
         *(["-mf16c"] if isa else []),  # float16 scales in hardware: every CPU with AVX2 or AVX-512 has F16C
         # bfloat16 pair products (q4_linear's bfloat16 path) where this CPU has them; the key covers the CPU
         *(["-mavx512bf16"] if isa and "avx512" in str(isa) and "avx512_bf16" in _cpu_flags().split() else []),
+        # integer dot products (a8_linear's paths) where this CPU has them and the compiler takes them
+        *(int8_dot_flags(os.environ.get("CXX", "g++"), "avx512" in str(isa)) if isa else []),
         *(f"-D{macro}" for macro in (isa.build_macro() if isa else [])),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
@@ -127,6 +141,40 @@ def _command(source: list[Path]) -> list[str]:
         "-lc10",
         "-ltorch_cpu",
     ]
+
+
+# a8_linear's instruction sets: the CPU's flag (/proc/cpuinfo), and the compiler's flags that enable it.
+_INT8_DOT = (
+    ("avx512_vnni", ["-mavx512vnni"], True),  # (flag, compiler flags, needs AVX-512)
+    ("amx_int8", ["-mamx-tile", "-mamx-int8"], True),
+    ("avx_vnni", ["-mavxvnni"], False),
+)
+
+
+def int8_dot_flags(compiler: str, avx512: bool, cpu_flags: str | None = None) -> list[str]:
+    """The compiler flags for the integer dot-product instructions this CPU has (AVX512-VNNI, AMX-INT8,
+    AVX-VNNI), each only where the compiler takes it: a compiler too old for one builds a8_linear without
+    that path (it falls back to the next: AMX to AVX512-VNNI to AVX2), and says so once in the log."""
+    have = set((cpu_flags if cpu_flags is not None else _cpu_flags()).split())
+    flags = []
+    for flag, options, needs_avx512 in _INT8_DOT:
+        if flag not in have or (needs_avx512 and not avx512):
+            continue
+        if _compiler_takes(compiler, options):
+            flags += options
+        else:
+            log.warning("the C++ compiler %s does not take %s: a8_linear's %s path is not built, a slower one serves",
+                        compiler, " ".join(options), flag)
+    return flags
+
+
+def _compiler_takes(compiler: str, options: list[str]) -> bool:
+    try:
+        done = subprocess.run([compiler, *options, "-x", "c++", "-c", "-", "-o", os.devnull], input="int main() {}\n",
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _cpu_flags() -> str:

@@ -50,6 +50,8 @@ def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.specstream.q8_linear(x, a, b)
     if kind == "q4":
         return torch.ops.specstream.q4_linear(x, a, b, planes[0])
+    if kind == "a8":
+        return torch.ops.specstream.a8_linear(x, a, b, planes[0])
     if kind == "int8":
         return torch.ops.aten._weight_int8pack_mm(x, a, b)
     y = _int4_mm(x, a, b)
@@ -147,6 +149,44 @@ class PackedInt8Blocks:
         self.shape = tuple(self.codes.shape)
         self.kernel: Kernel = ("q8", self.codes, self.scales)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.kernel, x)
+
+
+class PackedA8:
+    """GGUF block weights (4-bit Int4Weights, or 8-bit Int8Blocks) for specstream's a8_linear kernel, which
+    quantizes x to 8-bit blocks and sums the products as integers (csrc/a8_linear.cpp gives the layout and the
+    numerics): tiles of 16 outputs, blocks of 32 inputs in VNNI order, float16 d (and m for 4 bits). Its outputs
+    differ slightly from the dense weights' (x is rounded to 8 bits) but do not depend on the other rows of a
+    call. `fits`: 16 | N, 32 | K, and d and m exact in float16 (a GGUF file's are)."""
+
+    def __init__(self, weights: Int4Weights | Int8Blocks, device: torch.device) -> None:
+        n, k = weights.codes.shape
+        tiles, blocks = n // 16, k // GROUP
+        if isinstance(weights, Int4Weights):
+            self.bits = 4
+            # [tile, i, block, j] -> per block: vector v holds inputs 4v..4v+3 (low nibble) and 16+4v.. (high)
+            c = weights.codes.view(tiles, 16, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [t, g, v, i, b, half]
+            codes = c[..., 0] | c[..., 1] << 4
+            self.mins = weights.mins.view(tiles, 16, blocks).permute(0, 2, 1).half().contiguous().to(device)
+        else:
+            self.bits = 8
+            c = (weights.codes.to(torch.int16) + 128).to(torch.uint8).view(tiles, 16, blocks, 8, 4)
+            codes = c.permute(0, 2, 3, 1, 4)  # [t, g, u, i, b]
+            self.mins = torch.empty(0, dtype=torch.float16, device=device)
+        self.codes = codes.reshape(tiles, blocks, -1).contiguous().to(device)
+        self.scales = weights.scales.float().view(tiles, 16, blocks).permute(0, 2, 1).half().contiguous().to(device)
+        self.shape = (n, k)
+        self.kernel: Kernel = ("a8", self.codes, self.scales, self.mins)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    @staticmethod
+    def fits(weights: Int4Weights | Int8Blocks) -> bool:
+        n, k = weights.codes.shape
+        parts = (weights.scales, weights.mins) if isinstance(weights, Int4Weights) else (weights.scales,)
+        exact = all(torch.equal(t.float().half().float(), t.float()) for t in parts)
+        return n % 16 == 0 and k % GROUP == 0 and exact
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
@@ -256,6 +296,8 @@ class LinearFactory:
                 return Linear(names, weight)
             return self._holding(names, weight, KeptPacked(kernel, shape, bits), effective)
         source = [self.source_int4.get(n) for n in names]
+        if self.mode == "a8":
+            return self._build_a8(names, weight, source)
         q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
         int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)
         groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
@@ -274,6 +316,22 @@ class LinearFactory:
         else:
             return Linear(names, weight)
         return self._holding(names, weight, packed, effective)
+
+    def _build_a8(self, names: list[str], weight: torch.Tensor, source: list[SourceWeights | None]) -> Linear:
+        """a8: the source's blocks (4-bit, or one 8-bit tensor) as they are; without a GGUF source, the dense
+        weight rounded to 8-bit blocks (Q8_0's rule); dense where neither fits (mixed 4- and 8-bit parts)."""
+        if not self._cpu_kernels():
+            return Linear(names, weight)
+        blocks: Int4Weights | Int8Blocks | None = None
+        if source and all(isinstance(s, Int4Weights) for s in source):
+            blocks = Int4Weights.cat(source)
+        elif len(source) == 1 and isinstance(source[0], Int8Blocks):
+            blocks = source[0]
+        elif not self.source_int4 and weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0:
+            blocks = q8_0_blocks(weight)
+        if blocks is None or not PackedA8.fits(blocks):
+            return Linear(names, weight)
+        return self._holding(names, weight, PackedA8(blocks, self.device), blocks.dequantize())
 
     def _holding(self, names: list[str], weight: torch.Tensor, packed, effective: torch.Tensor) -> Linear:
         if weight.untyped_storage().data_ptr() in self._shared:
@@ -317,6 +375,35 @@ class LinearFactory:
         return sorted({lin.packed.kernel[0] for lin in self.quantized})
 
 
+def q8_0_blocks(weight: torch.Tensor) -> Int8Blocks:
+    """A dense [N, K] weight as 8-bit blocks by GGUF Q8_0's rule: per block of 32, d = max |w| / 127 stored in
+    float16, codes round(w / d) in -127..127."""
+    blocks = weight.detach().float().view(weight.shape[0], -1, GROUP)
+    scales = (blocks.abs().amax(-1) / 127).half().float().clamp_min(torch.finfo(torch.float16).tiny)
+    codes = (blocks / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(weight.shape)
+    return Int8Blocks(codes, scales)
+
+
+def a8_serves(device: torch.device) -> bool:
+    """Whether a8 (8-bit activation blocks, integer dot products) is the faster kernel here, so that "auto"
+    takes it for a GGUF file's blocks: on CPU, with specstream's kernels built, where the CPU has an integer
+    dot-product instruction (AVX512-VNNI, AMX-INT8 or AVX-VNNI). With AVX2 alone a8 still runs, by
+    VPMADDUBSW, but was never measured against q4_linear: auto keeps q4_linear there."""
+    from specstream.kernels import cpu as cpu_kernels
+
+    if torch.device(device).type != "cpu" or not cpu_kernels.load():
+        return False
+    paths = list(torch.ops.specstream.a8_paths())
+    return any(p in paths[: paths.index(-1)] for p in (2, 3)) or paths[-1] == 1
+
+
+def resolve_mode(mode: str, gguf_path: str | Path | None, device: torch.device) -> str:
+    """The mode that serves: "auto" becomes "a8" for a GGUF file's blocks where a8 serves (a8_serves)."""
+    if mode == "auto" and gguf_path and a8_serves(device):
+        return "a8"
+    return mode
+
+
 def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
     """The int4 form of the source weights of one projection (several parameters fused along N): one
     plane for 4-bit blocks, two for one 8-bit tensor; None where a part has no source blocks, or mixes
@@ -339,6 +426,7 @@ def make_factory(
     starts (kept_weights.py; the caller keys it); found there, the source's blocks are not read at all."""
     if mode == "none":
         return None
+    mode = resolve_mode(mode, gguf_path, device)
     if mode == "auto" and device.type != "cpu":
         return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
     kept = KeptWeights(kept_path, torch.device(device)) if kept_path is not None else None
@@ -346,7 +434,7 @@ def make_factory(
     if kept is not None and kept.found:
         return LinearFactory(mode, dtype, device, shared=shared, kept=kept)
     text = model.config.get_text_config()
-    source = source_int4_weights(gguf_path, text) if gguf_path and mode in ("auto", "int4") else {}
+    source = source_int4_weights(gguf_path, text) if gguf_path and mode in ("auto", "int4", "a8") else {}
     if mode == "auto" and not source:
         return None
     return LinearFactory(mode, dtype, device, source, shared=shared, kept=kept)
@@ -360,4 +448,5 @@ def kept_key(device: torch.device) -> list:
     h = hashlib.sha256()
     for module in (__file__, weights_module.__file__, kept_weights_module.__file__):
         h.update(Path(module).read_bytes())
-    return [torch.device(device).type == "cpu" and cpu_kernels.load(), h.hexdigest()[:16]]
+    on_cpu = torch.device(device).type == "cpu" and cpu_kernels.load()
+    return [on_cpu, on_cpu and a8_serves(device), h.hexdigest()[:16]]

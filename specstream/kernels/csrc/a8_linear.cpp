@@ -1,0 +1,526 @@
+// y = x @ W^T with GGUF block weights (Q4_0/Q4_1: 4-bit codes, Q8_0: 8-bit) and x quantized to 8-bit blocks, the
+// products summed as integers: the "a8" quantization mode (quant.py PackedA8), llama.cpp's approach on CPU.
+//
+// Why. q4_linear widens each weight to a float and multiplies it into every row of x; its cost grows almost in
+// step with the rows, so checking 8 drafts (9 rows) cost 3.5 decode steps. Here x is quantized once per call,
+// per row and block of 32 inputs, to int8 codes q and a float32 scale dx, and a block's 32 weights meet a row's 32
+// codes in integer multiply-adds: VPDPBUSD (AVX512-VNNI: 64 byte products an instruction, twice the bfloat16 pair
+// instruction's 32), AMX-INT8 tiles (TDPBSUD: up to 16 rows x 16 outputs x 32 inputs an instruction, so a step's
+// rows share one read and one multiply of each weight), AVX-VNNI or AVX2 on CPUs without AVX-512.
+//
+// Numerics (every path, bit for bit). A row's block of x: amax = max |x_j|, dx = amax / 127, inv = 127 / amax
+// (0 where amax is 0), q_j = round-half-even(x_j * inv), qsum = sum q_j, sx = dx * qsum, all float32. A block of
+// weights is w = d c + m (float16 d and m from the file: Q4_1 as stored, Q4_0 with m = -8 d; Q8_0 signed codes
+// with m = 0). Per output, over blocks g in order:
+//     isum = sum_j c_j q_j                        (exact, int32)
+//     acc  = fma(float(isum) * dx, d, acc)        (float(isum) is exact: |isum| < 2^24)
+//     acc  = fma(m, sx, acc)                      (4-bit only)
+// and y = acc rounded once to x's dtype. The integer sums are exact and the float steps run in the same order
+// on every path, so a row's output never depends on the other rows of the call, on the row count, or on which
+// path served it (tests/test_a8.py checks each path and 1, 9 and 16 rows for identical bits).
+//
+// Layouts (quant.PackedA8), tiles of 16 outputs, blocks of 32 inputs, VNNI order (each output's 4 consecutive
+// inputs side by side, so one 32-bit lane holds one output's 4 bytes):
+//   4-bit codes [N / 16, K / 32, 256] uint8: vector v (0..3) of 64 bytes, byte 4 i + b = c[i, 4 v + b] (low nibble)
+//                                          | c[i, 16 + 4 v + b] << 4; unpacked, the 8 vectors are AMX's B tile.
+//   8-bit codes [N / 16, K / 32, 512] uint8: c + 128, vector u (0..7) byte 4 i + b = c[i, 4 u + b] + 128
+//                                          (VPDPBUSD multiplies unsigned by signed bytes: isum = dot - 128 qsum).
+//   scales, mins [N / 16, K / 32, 16] float16 (mins empty for 8-bit).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kBlock = 32;
+
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3 };
+
+// x quantized per row and block of 32 (see the numerics above).
+struct Acts {
+  int64_t m = 0, k = 0, blocks = 0;
+  std::vector<int8_t> q;      // [m, k]
+  std::vector<float> dx;      // [m, blocks]
+  std::vector<float> sx;      // [m, blocks], dx * qsum
+  std::vector<int32_t> qsum;  // [m, blocks]
+};
+
+template <typename T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+
+// One block of 32 inputs: x (already float32) into q, dx, qsum.
+inline void quantize_block(const float* x, int8_t* q, float* dx, int32_t* qsum) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *dx = amax / 127.f;
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float scaled = x[j] * inv;
+    const int32_t v = static_cast<int32_t>(std::nearbyint(scaled));  // round half to even, as cvtps_epi32
+    q[j] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    sum += q[j];
+  }
+  *qsum = sum;
+  *dx = amax / 127.f;
+#endif
+}
+
+template <typename T>
+Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
+  Acts a;
+  a.m = m, a.k = k, a.blocks = k / kBlock;
+  a.q.resize(m * k + 64);  // +64: vector loads past the last block stay in bounds
+  a.dx.resize(m * a.blocks), a.sx.resize(m * a.blocks), a.qsum.resize(m * a.blocks);
+  alignas(64) float block[kBlock];
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < a.blocks; ++g) {
+      const T* src = x + r * stride + g * kBlock;
+      for (int64_t j = 0; j < kBlock; ++j) block[j] = widen(src[j]);
+      const int64_t i = r * a.blocks + g;
+      quantize_block(block, a.q.data() + r * k + g * kBlock, &a.dx[i], &a.qsum[i]);
+      a.sx[i] = a.dx[i] * static_cast<float>(a.qsum[i]);
+    }
+  return a;
+}
+
+// The weights of one call, as PackedA8 holds them.
+struct Weights {
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const c10::Half* mins;  // null for 8-bit codes
+  int64_t n, k, blocks;
+  bool four;  // 4-bit codes (else 8-bit)
+  int64_t block_bytes() const { return four ? 256 : 512; }
+  const uint8_t* block(int64_t t, int64_t g) const { return codes + (t * blocks + g) * block_bytes(); }
+  const c10::Half* d(int64_t t, int64_t g) const { return scales + (t * blocks + g) * kTile; }
+  const c10::Half* mn(int64_t t, int64_t g) const { return mins + (t * blocks + g) * kTile; }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reference path, any CPU: the numerics above written out, one output at a time.
+
+inline int32_t code_at(const Weights& w, int64_t t, int64_t g, int64_t i, int64_t j) {
+  const uint8_t* b = w.block(t, g);
+  if (!w.four) return static_cast<int32_t>(b[(j / 4) * 64 + 4 * i + j % 4]) - 128;
+  const int64_t v = (j % 16) / 4;
+  const uint8_t byte = b[v * 64 + 4 * i + j % 4];
+  return j < 16 ? byte & 0x0F : byte >> 4;
+}
+
+void scalar_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out /* [rows, 16] */) {
+  for (int64_t r = r0; r < r0 + rows; ++r)
+    for (int64_t i = 0; i < kTile; ++i) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < w.blocks; ++g) {
+        int32_t isum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) isum += code_at(w, t, g, i, j) * a.q[r * a.k + g * kBlock + j];
+        const int64_t x = r * a.blocks + g;
+        const float scaled = static_cast<float>(isum) * a.dx[x];
+        acc = std::fmaf(scaled, static_cast<float>(w.d(t, g)[i]), acc);
+        if (w.four) acc = std::fmaf(static_cast<float>(w.mn(t, g)[i]), a.sx[x], acc);
+      }
+      out[(r - r0) * kTile + i] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 (8 outputs a vector, two halves a tile): VPDPBUSD on 256-bit vectors where the CPU has AVX-VNNI, else
+// VPMADDUBSW + VPMADDWD, which saturates 16-bit pair sums: 8-bit codes then go in as |c| against q with c's sign
+// (at most 2 * 128 * 127, which fits), an exact sum of c q without the + 128 offset.
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+inline __m256i unpack_half(const Weights& w, const uint8_t* block, int64_t u, int64_t half) {
+  if (!w.four) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + u * 64 + half * 32));
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (u % 4) * 64 + half * 32));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  return u < 4 ? _mm256_and_si256(packed, low) : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+}
+
+// The exact int32 sums of c q for 8 outputs: w the (offset) codes of inputs 4u..4u+3, q those 4 codes broadcast.
+inline __m256i dot4_avx2(__m256i acc, __m256i w, __m256i q, bool four) {
+#if defined(__AVXVNNI__)
+  (void)four;
+  return _mm256_dpbusd_avx_epi32(acc, w, q);
+#else
+  __m256i products;
+  if (four) {
+    products = _mm256_maddubs_epi16(w, q);
+  } else {
+    const __m256i c = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed codes
+    products = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+#endif
+}
+
+constexpr bool kAvx2Offsets =
+#if defined(__AVXVNNI__)
+    true;  // VPDPBUSD sums (c + 128) q: subtract 128 qsum
+#else
+    false;
+#endif
+
+void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
+  for (int64_t half = 0; half < 2; ++half)
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t g = 0; g < w.blocks; ++g) {
+        const uint8_t* block = w.block(t, g);
+        const int8_t* q = a.q.data() + r * a.k + g * kBlock;
+        __m256i s = _mm256_setzero_si256();
+        for (int64_t u = 0; u < 8; ++u) {
+          int32_t quad;
+          std::memcpy(&quad, q + 4 * u, 4);
+          s = dot4_avx2(s, unpack_half(w, block, u, half), _mm256_set1_epi32(quad), w.four);
+        }
+        const int64_t x = r * a.blocks + g;
+        if (!w.four && kAvx2Offsets) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * a.qsum[x]));
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[x]));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d(t, g) + half * 8)));
+        acc = _mm256_fmadd_ps(scaled, d, acc);
+        if (w.four) {
+          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn(t, g) + half * 8)));
+          acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[x]), acc);
+        }
+      }
+      _mm256_storeu_ps(out + (r - r0) * kTile + half * 8, acc);
+    }
+}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX512-VNNI: a tile's 16 outputs in one vector; each block's 8 code vectors are unpacked once and multiplied
+// into up to 8 rows, whose sums stay in registers.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+inline void unpack_block(const Weights& w, const uint8_t* block, __m512i (&v)[8]) {
+  if (!w.four) {
+    for (int64_t u = 0; u < 8; ++u) v[u] = _mm512_loadu_si512(block + u * 64);
+    return;
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t u = 0; u < 4; ++u) {
+    const __m512i packed = _mm512_loadu_si512(block + u * 64);
+    v[u] = _mm512_and_si512(packed, low);
+    v[u + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+  }
+}
+
+// The float steps of one block for one row: the same on the AMX path.
+inline __m512 block_epilogue(__m512i s, const Acts& a, int64_t x, bool four, __m512 d, __m512 mn, __m512 acc) {
+  if (!four) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[x]));
+  const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[x]));
+  acc = _mm512_fmadd_ps(scaled, d, acc);
+  if (four) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[x]), acc);
+  return acc;
+}
+
+inline __m512 load_half16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int64_t ROWS>
+void vnni_rows(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* out) {
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.blocks; ++g) {
+    __m512i v[8];
+    unpack_block(w, w.block(t, g), v);
+    const __m512 d = load_half16(w.d(t, g));
+    const __m512 mn = w.four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const int8_t* q = a.q.data() + (r0 + r) * a.k + g * kBlock;
+      int32_t quads[8];
+      std::memcpy(quads, q, sizeof(quads));
+      // Two chains of four, so that one row does not wait on VPDPBUSD's latency; integer sums, so exact.
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int64_t u = 0; u < 8; u += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, v[u], _mm512_set1_epi32(quads[u]));
+        s1 = _mm512_dpbusd_epi32(s1, v[u + 1], _mm512_set1_epi32(quads[u + 1]));
+      }
+      acc[r] = block_epilogue(_mm512_add_epi32(s0, s1), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+void vnni_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
+  for (int64_t done = 0; done < rows;) {
+    const int64_t n = std::min<int64_t>(8, rows - done);
+    float* o = out + done * kTile;
+    switch (n) {
+      case 1: vnni_rows<1>(a, w, t, r0 + done, o); break;
+      case 2: vnni_rows<2>(a, w, t, r0 + done, o); break;
+      case 3: vnni_rows<3>(a, w, t, r0 + done, o); break;
+      case 4: vnni_rows<4>(a, w, t, r0 + done, o); break;
+      case 5: vnni_rows<5>(a, w, t, r0 + done, o); break;
+      case 6: vnni_rows<6>(a, w, t, r0 + done, o); break;
+      case 7: vnni_rows<7>(a, w, t, r0 + done, o); break;
+      default: vnni_rows<8>(a, w, t, r0 + done, o); break;
+    }
+    done += n;
+  }
+}
+
+#define SPECSTREAM_HAS_VNNI512 1
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// AMX-INT8: per pair of blocks, TDPBSUD (signed A, unsigned B) multiplies up to 16 rows' codes (A: rows x 32 bytes, read in place from
+// the quantized x) by the tile's unpacked codes (B: 8 x 64 bytes) into 16 x 16 int32 sums (C), which the same
+// float steps as VNNI's then apply. Tiles: 0, 1 C; 2, 3 A; 4, 5 B (two blocks in flight).
+
+#if defined(SPECSTREAM_HAS_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_ready() {
+  // Linux lends a process the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); a kernel that does not know the request (older than 5.16) has no AMX for us.
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+void configure_tiles(int64_t rows) {
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = rows, cfg.colsb[t] = 64;
+  for (int t : {2, 3}) cfg.rows[t] = rows, cfg.colsb[t] = 32;
+  for (int t : {4, 5}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  // Not _tile_loadconfig: GCC 12's declares only the first 8 bytes as read, so the stores of the rest may be
+  // dropped or moved past it (the tiles then stay unconfigured: SIGILL at the first tile load).
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// B for one block: 8-bit codes are in place; 4-bit ones unpacked into buf (512 bytes).
+inline const uint8_t* b_tile(const Weights& w, int64_t t, int64_t g, uint8_t* buf) {
+  const uint8_t* block = w.block(t, g);
+  if (!w.four) return block;
+  __m512i v[8];
+  unpack_block(w, block, v);
+  for (int64_t u = 0; u < 8; ++u) _mm512_store_si512(buf + u * 64, v[u]);
+  return buf;
+}
+
+// rows <= 16; the caller configured the tiles for `rows`.
+void amx_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
+  alignas(64) uint8_t b0[512], b1[512];
+  alignas(64) int32_t c0[16 * 16], c1[16 * 16];
+  __m512 acc[16];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* q = a.q.data() + r0 * a.k;
+  auto epilogue = [&](const int32_t* c, int64_t g) {
+    const __m512 d = load_half16(w.d(t, g));
+    const __m512 mn = w.four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r)
+      acc[r] = block_epilogue(_mm512_load_si512(c + r * 16), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
+  };
+  int64_t g = 0;
+  for (; g + 1 < w.blocks; g += 2) {
+    const uint8_t* bt0 = b_tile(w, t, g, b0);
+    const uint8_t* bt1 = b_tile(w, t, g + 1, b1);
+    _tile_loadd(2, q + g * kBlock, a.k);
+    _tile_loadd(4, bt0, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_loadd(3, q + (g + 1) * kBlock, a.k);
+    _tile_loadd(5, bt1, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+    epilogue(c0, g);
+    epilogue(c1, g + 1);
+  }
+  if (g < w.blocks) {
+    const uint8_t* bt0 = b_tile(w, t, g, b0);
+    _tile_loadd(2, q + g * kBlock, a.k);
+    _tile_loadd(4, bt0, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, c0, 64);
+    epilogue(c0, g);
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+#define SPECSTREAM_HAS_AMX 1
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+
+std::vector<int64_t> available_paths() {
+  std::vector<int64_t> paths{kScalar};
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  paths.push_back(kAvx2);
+#endif
+#if defined(SPECSTREAM_HAS_VNNI512)
+  paths.push_back(kAvx512Vnni);
+#endif
+#if defined(SPECSTREAM_HAS_AMX)
+  if (amx_ready()) paths.push_back(kAmx);
+#endif
+  return paths;
+}
+
+// AMX pays from this many rows, fewer go to VNNI (timed over 30 weights of 3072 x 576 and 576 x 1536 on a 2-core Xeon
+// with AMX: about even at 6-7 rows; VNNI 1.2-1.4x faster at 4, AMX 1.3-1.6x at 9-16). Either gives the same bits.
+constexpr int64_t kAmxMinRows = 7;
+
+int64_t pick_path(int64_t requested, int64_t rows) {
+  static const std::vector<int64_t> paths = available_paths();
+  auto has = [&](int64_t p) { return std::find(paths.begin(), paths.end(), p) != paths.end(); };
+  if (requested >= 0) {
+    TORCH_CHECK(has(requested), "a8_linear: path ", requested, " is not available on this CPU or build");
+    return requested;
+  }
+  if (has(kAmx) && rows >= kAmxMinRows) return kAmx;
+  if (has(kAvx512Vnni)) return kAvx512Vnni;
+  if (has(kAvx2)) return kAvx2;
+  return kScalar;
+}
+
+template <typename T>
+void run(const Acts& a, const Weights& w, int64_t path, T* y) {
+  const int64_t tiles = w.n / kTile;
+  const int64_t chunk = path == kAmx ? 16 : 64;  // rows per pass over a tile
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[64 * kTile];
+    for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
+      const int64_t rows = std::min(chunk, a.m - r0);
+#if defined(SPECSTREAM_HAS_AMX)
+      // Tile state is per thread, and other libraries on these threads (oneDNN) configure it for themselves.
+      if (path == kAmx) configure_tiles(rows);
+#endif
+      for (int64_t t = begin; t < end; ++t) {
+        switch (path) {
+#if defined(SPECSTREAM_HAS_AMX)
+          case kAmx: amx_tile(a, w, t, r0, rows, out); break;
+#endif
+#if defined(SPECSTREAM_HAS_VNNI512)
+          case kAvx512Vnni: vnni_tile(a, w, t, r0, rows, out); break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          case kAvx2: avx2_tile(a, w, t, r0, rows, out); break;
+#endif
+          default: scalar_tile(a, w, t, r0, rows, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < kTile; ++i) y[(r0 + r) * w.n + t * kTile + i] = static_cast<T>(out[r * kTile + i]);
+      }
+#if defined(SPECSTREAM_HAS_AMX)
+      if (path == kAmx) _tile_release();
+#endif
+    }
+  });
+}
+
+Acts quantize_input(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(x.stride(1) == 1 || m == 0 || k == 0, "a8: x must be contiguous along its rows");
+  switch (x.scalar_type()) {
+    case at::kFloat: return quantize(x.data_ptr<float>(), m, k, x.stride(0));
+    case at::kBFloat16: return quantize(x.data_ptr<c10::BFloat16>(), m, k, x.stride(0));
+    case at::kHalf: return quantize(x.data_ptr<c10::Half>(), m, k, x.stride(0));
+    default: TORCH_CHECK(false, "a8: float32, bfloat16 or float16 x, not ", x.scalar_type());
+  }
+}
+
+// x [M, K]; codes [N / 16, K / 32, 256 or 512] uint8; scales [N / 16, K / 32, 16] float16; mins the same for
+// 4-bit codes, empty for 8-bit; path -1 picks the fastest (any gives the same bits). Returns [M, N] in x's dtype.
+at::Tensor a8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in,
+                     const at::Tensor& mins_in, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2 && codes_in.dim() == 3 && scales_in.dim() == 3, "a8_linear: 2-d x, 3-d codes and scales");
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte && scales_in.scalar_type() == at::kHalf, "a8_linear: uint8 codes, float16 scales");
+  const bool four = codes_in.size(2) == 256;
+  const int64_t m = x_in.size(0), k = x_in.size(1), n = codes_in.size(0) * kTile, blocks = k / kBlock;
+  TORCH_CHECK((four || codes_in.size(2) == 512) && k % kBlock == 0 && codes_in.size(1) == blocks &&
+                  scales_in.size(0) == codes_in.size(0) && scales_in.size(1) == blocks && scales_in.size(2) == kTile,
+              "a8_linear: x [M, K], codes [N / 16, K / 32, 256 or 512], scales [N / 16, K / 32, 16] with K a multiple of "
+              "32; got ", x_in.sizes(), ", ", codes_in.sizes(), ", ", scales_in.sizes());
+  TORCH_CHECK(!four || (mins_in.scalar_type() == at::kHalf && mins_in.sizes() == scales_in.sizes()),
+              "a8_linear: 4-bit codes need float16 mins shaped as the scales");
+  at::Tensor y = at::empty({m, n}, x_in.options());
+  if (m == 0 || n == 0) return y;
+  const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous(), scales = scales_in.contiguous();
+  const at::Tensor mins = four ? mins_in.contiguous() : at::Tensor();
+  const Acts a = quantize_input(x);
+  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), four ? mins.data_ptr<c10::Half>() : nullptr,
+                  n, k, blocks, four};
+  const int64_t chosen = pick_path(path, m);
+  switch (x.scalar_type()) {
+    case at::kFloat: run(a, w, chosen, y.data_ptr<float>()); break;
+    case at::kBFloat16: run(a, w, chosen, y.data_ptr<c10::BFloat16>()); break;
+    default: run(a, w, chosen, y.data_ptr<c10::Half>()); break;
+  }
+  return y;
+}
+
+// x's 8-bit blocks as the kernel makes them: (q [M, K] int8, dx [M, K / 32] float32). For tests.
+std::tuple<at::Tensor, at::Tensor> a8_quantize(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kBlock == 0, "a8_quantize: x [M, K] with K a multiple of 32");
+  const at::Tensor x = x_in.contiguous();
+  const Acts a = quantize_input(x);
+  at::Tensor q = at::empty({a.m, a.k}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({a.m, a.blocks}, x.options().dtype(at::kFloat));
+  if (a.m * a.k) std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.m * a.k);
+  if (a.m * a.blocks) std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.m * a.blocks * sizeof(float));
+  return {q, dx};
+}
+
+// The paths this build and CPU can run (0 scalar, 1 AVX2/AVX-VNNI, 2 AVX512-VNNI, 3 AMX-INT8), and what the
+// AVX2 path uses: [paths..., -1, avx_vnni (0/1)].
+std::vector<int64_t> a8_paths() {
+  std::vector<int64_t> out = available_paths();
+  out.push_back(-1);
+#if defined(__AVXVNNI__)
+  out.push_back(1);
+#else
+  out.push_back(0);
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specstream, CPU, m) {
+  m.impl("a8_linear", &a8_linear);
+  m.impl("a8_quantize", &a8_quantize);
+}
+
+TORCH_LIBRARY_FRAGMENT(specstream, m) {
+  m.def("a8_paths() -> int[]", &a8_paths);
+}
