@@ -60,24 +60,25 @@ inline void widen(const T* src, Vec* out, int64_t vecs) {
   }
 }
 
-// scores[0, n) in place: exp(x - top) / their sum, each rounded to T (exp(-inf) = 0 for masked keys).
+// scores[0, n) in place: exp(x - top) / their sum, each rounded to T (exp(-inf) = 0 for masked keys). The buffer
+// holds n rounded up to whole vectors, and the keys past n count as masked: every score goes through the same
+// vector exp and lands in the same lane of the sum whatever n is, so a row's probabilities do not depend on how
+// many keys its step spans (a verification row sees its later rows' keys masked, a decode row does not see them).
 template <typename T>
 inline void softmax_rounded(float* scores, int64_t n, float top) {
+  const int64_t padded = (n + Vec::size() - 1) / Vec::size() * Vec::size();
+  for (int64_t s = n; s < padded; ++s) scores[s] = -std::numeric_limits<float>::infinity();
   const Vec vtop(top);
   Vec vsum(0.f);
-  int64_t s = 0;
-  for (; s + Vec::size() <= n; s += Vec::size()) {
+  for (int64_t s = 0; s < padded; s += Vec::size()) {
     const Vec e = (Vec::loadu(scores + s) - vtop).exp();
     e.store(scores + s);
     vsum = vsum + e;
   }
-  float total = sum_lanes(vsum);
-  for (; s < n; ++s) {
-    scores[s] = std::exp(scores[s] - top);
-    total += scores[s];
-  }
+  const float total = sum_lanes(vsum);
   const Vec vtotal(total);
-  for (s = 0; s + 2 * Vec::size() <= n; s += 2 * Vec::size()) {
+  int64_t s = 0;
+  for (; s + 2 * Vec::size() <= padded; s += 2 * Vec::size()) {
     Vec lo = Vec::loadu(scores + s) / vtotal, hi = Vec::loadu(scores + s + Vec::size()) / vtotal;
     if constexpr (!std::is_same_v<T, float>) std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(lo, hi));
     lo.store(scores + s);
@@ -85,6 +86,9 @@ inline void softmax_rounded(float* scores, int64_t n, float top) {
   }
   for (; s < n; ++s) scores[s] = static_cast<float>(static_cast<T>(scores[s] / total));
 }
+
+// Room for a row's scores: s_max rounded up to whole vectors (softmax_rounded).
+inline int64_t score_room(int64_t s_max) { return (s_max + Vec::size() - 1) / Vec::size() * Vec::size(); }
 
 // One query row and one head, with the head dimension fixed at compile time (VECS vectors) so the query,
 // a key and the output stay in registers; VECS = 0: any supported d, the same loops with runtime bounds.
@@ -386,7 +390,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   }
 #endif
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(s_max);
+    std::vector<float> scores(score_room(s_max));
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / heads, h = w % heads, g = h / group;
       const int64_t flat = oi_ptr[i], b = flat / t_max, t = flat % t_max;
