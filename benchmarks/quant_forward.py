@@ -13,14 +13,24 @@ at the step shapes that matter: a decode step (1 row), a verification (9 rows), 
 from __future__ import annotations
 
 import argparse
+import platform
 import time
+from pathlib import Path
+
+import torch
 
 from specstream import Engine, EngineConfig, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.model.runner import ForwardItem
 
 CONTEXT = 256
-SHAPES = {"decode 1 row": [1], "verify 9 rows": [9], "8 streams x 1 row": [1] * 8, "prefill 256 rows": [256]}
+SHAPES = {
+    "decode 1 row": [1],
+    "verify 9 rows": [9],
+    "verify 16 rows": [16],
+    "8 streams x 1 row": [1] * 8,
+    "prefill 256 rows": [256],
+}
 
 
 def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
@@ -69,6 +79,24 @@ def main() -> None:
     for mode in order:
         cells = [f"{best[mode, s] * 1e3:.1f} ({best[base, s] / best[mode, s]:.2f}x)" for s in SHAPES]
         print(f"| {mode} | " + " | ".join(cells) + " |")
+    print("\n| step cost / the same mode's decode step | " + " | ".join(list(SHAPES)[1:]) + " |")
+    print("|---" * len(SHAPES) + "|")
+    for mode in order:
+        decode = best[mode, "decode 1 row"]
+        print(f"| {mode} | " + " | ".join(f"{best[mode, s] / decode:.2f}x" for s in list(SHAPES)[1:]) + " |")
+    print(f"\nCPU: {cpu_name()}; {torch.get_num_threads()} threads")
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the flags that choose kernels here."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+    return f"{name} ({' '.join(f for f in wanted if f in flags)})"
 
 
 if __name__ == "__main__":
