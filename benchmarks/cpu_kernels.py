@@ -4,6 +4,8 @@ torch uses (2 here), best of N interleaved runs, weights and keys random but lai
 
 - q4_linear vs torch's int4 kernel (_weight_int4pack_mm_for_cpu) on 4-bit block weights, per layer shape;
 - q8_linear vs torch's int4 kernel on two 4-bit planes (how 8-bit blocks were served), the LM head's shape;
+- a8_linear (x rounded to 8-bit blocks, integer dot products) vs q4_linear and q8_linear on the same blocks,
+  with each one's cost at k rows over its cost at one row (what makes a verification cheap or dear);
 - short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
   with torch.compile as in the forward, over a paged pool.
 
@@ -22,7 +24,7 @@ import torch
 from specstream.kernels import cpu as cpu_kernels
 from specstream.model.attention import attend_short
 from specstream.kernels.weights import Int4Weights, Int8Blocks
-from specstream.kernels.quant import PackedInt4, PackedInt8Blocks, PackedQ4
+from specstream.kernels.quant import PackedA8, PackedInt4, PackedInt8Blocks, PackedQ4
 
 
 def best_of(fns: list, repeats: int) -> list[float]:
@@ -78,6 +80,22 @@ def main() -> None:
         t, o = best_of([partial(theirs, x), partial(ours, x)], max(3, args.repeats // 5))
         cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
     print(f"| q8_linear (two int4 planes) | {n}x{k} | " + " | ".join(cells) + " |")
+
+    print("\n| a8_linear vs weight-only, us (q4/q8_linear / a8_linear; cost over 1 row) | weight | "
+          + " | ".join(f"{r} rows" for r in args.rows) + " |")
+    print("|---|---|" + "---|" * len(args.rows))
+    shapes = [(960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8)]
+    for n, k, bits in shapes:
+        weights = random_int4(n, k, gen) if bits == 4 else blocks
+        theirs = PackedQ4(weights, cpu) if bits == 4 else PackedInt8Blocks(weights, cpu)
+        ours = PackedA8(weights, cpu)
+        cells, first = [], None
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            t, o = best_of([partial(theirs, x), partial(ours, x)], args.repeats if bits == 4 else max(3, args.repeats // 5))
+            first = first or (t, o)
+            cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x; {t / first[0]:.1f} / {o / first[1]:.1f})")
+        print(f"| {'q4' if bits == 4 else 'q8'}_linear / a8_linear | {n}x{k} | " + " | ".join(cells) + " |")
 
     print("\n| short_attention, 9 heads over 3 of 64 | " + " | ".join(["context 256", "context 1024"]) + " |")
     print("|---|---|---|")
