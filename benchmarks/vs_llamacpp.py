@@ -145,7 +145,9 @@ def specstream_server(config: str, threads: int) -> Server:
     eager = rest == ["eager"]
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--quantization", quantization,
-           "--speculative-method", method, "--log-level", "warning", *(["--no-compile"] if eager else [])]
+           "--speculative-method", method, "--log-level", "warning",
+           # compiled before /health turns 200: a background compile would run beside the other servers' measurements
+           *(["--no-compile"] if eager else ["--compile-before-serving"])]
     name = f"specstream {quantization} {'plain' if method == 'off' else method}{' eager' if eager else ''}"
     return Server(name, cmd, "smollm2-135m", port)
 
