@@ -8,7 +8,10 @@ dense GEMM wins. Which kernel serves how many rows is measured at start-up for e
 (routes.py), and the dense copy is kept only where it pays and fits in memory.
 
 Modes: "none" serves the dense weights as loaded; "int4" holds every projection as groupwise 4-bit
-weights (group 32); "int8" as per-output-channel 8-bit weights; "auto" holds as int4 exactly the
+weights (group 32); "int8" as per-output-channel 8-bit weights; "a8" holds a GGUF file's 4- and 8-bit
+blocks as they are and multiplies them by x rounded to 8-bit blocks, in integers (PackedA8,
+csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first); "auto" is "a8" for a GGUF
+file's blocks where the CPU has an integer dot product (a8_serves), else holds as int4 exactly the
 projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
 dense, so the weights served are the source's own.
 
