@@ -29,3 +29,14 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not come up")
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -69,7 +69,7 @@ def our_logprobs(engine: Engine, segs: list[list[int]], rows: int) -> torch.Tens
 
 def llama_logprobs(binary: Path, gguf: Path, segs: list[list[int]], top: int, threads: int) -> list[dict[int, float]]:
     """llama.cpp's top `top` log-probabilities for each position, as {token id: logprob}."""
-    from _servers import free_port, wait_up
+    from _servers import free_port, stop_process, wait_up
 
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="llama-quality-", suffix=".log", delete=False)
@@ -101,11 +101,7 @@ def llama_logprobs(binary: Path, gguf: Path, segs: list[list[int]], top: int, th
                     out.append({e["id"]: e["logprob"] if "logprob" in e else math.log(max(e["prob"], 1e-30)) for e in entries})
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
         os.unlink(log.name)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import free_port, wait_up  # noqa: E402
+from _servers import free_port, stop_process, wait_up  # noqa: E402
 
 from gateway.bench.loadgen import bench, print_table, write_json
 from gateway.bench.plots import plot
@@ -44,11 +44,7 @@ def run_server(cmd: list[str], url: str, label: str, model: str, args, env: dict
                 bench(f"{url}/v1", model=model, concurrency=args.concurrency, num_requests=args.num_requests, max_tokens=args.max_tokens, label=label)
             )
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
 
 def find(report: dict, prompt_set: str, concurrency: int) -> dict | None:

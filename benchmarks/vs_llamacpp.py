@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import free_port, wait_up  # noqa: E402
+from _servers import free_port, stop_process, wait_up  # noqa: E402
 
 from gateway.bench.loadgen import bench  # noqa: E402
 from specstream.model.loader import BUNDLED_MODELS, bundled_gguf_path  # noqa: E402
@@ -122,12 +122,8 @@ def ready(server: Server) -> None:
 
 
 def stop(server: Server) -> None:
-    if server.proc is not None and server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
+    if server.proc is not None:
+        stop_process(server.proc)
 
 
 def measure(server: Server, prompt_set: str, streams: int, num_requests: int, max_tokens: int) -> dict:
