@@ -252,7 +252,11 @@ async def test_event_loop_stays_responsive_under_full_load(default_model_source)
 
 
 async def test_utf8_is_never_split_across_chunks(default_model_source):
-    engine = Engine(EngineConfig(dtype="float32", speculative=SpeculativeConfig(method="ngram")), log=False)
+    # The dense fp32 weights: the test needs an answer that echoes the multibyte text, and the 135M model's
+    # answer to this prompt changes with the kernels' rounding (a8 rounds activations to 8 bits and it does not
+    # echo); what is tested here is the detokenizer, whatever the numerics.
+    config = EngineConfig(dtype="float32", quantization="none", compile=False, speculative=SpeculativeConfig(method="ngram"))
+    engine = Engine(config, log=False)
     async with AsyncEngine(engine=engine) as ae:
         msgs = [{"role": "user", "content": "Repeat exactly: caf\u00e9 \u4f60\u597d\u4e16\u754c \U0001f600\U0001f680 na\u00efve \u00fcber"}]
         chunks = [c async for c in ae.stream(msgs, SamplingParams(max_tokens=40, temperature=0))]
