@@ -54,8 +54,8 @@ def _add_serve(sub) -> None:
         default=_env("quantization", engine.quantization),
         choices=QUANTIZATION_MODES,
         help="weights of the projections: auto (default) = the model file's own 4/8-bit blocks where it has "
-        "them, on CPU (by a8 where the CPU has VNNI or AMX); a8 = those blocks times 8-bit activation "
-        "blocks, as integers",
+        "them, on CPU; a8 = those blocks times 8-bit activation blocks, as integers (faster "
+        "verification with VNNI or AMX, less accurate)",
     )
     a("--device", default=_env("device", engine.device))
     a("--host", default=_env("host", "127.0.0.1"))

@@ -221,17 +221,17 @@ def test_routes_keep_a8_up_to_a_verification_whatever_the_timings(tiny_model_dir
     assert all(lin.max_packed_rows >= routes.A8_MIN_ROWS for lin in projections(engine))
 
 
-def test_default_model_serves_a8_where_the_cpu_has_integer_dot_products_and_speculation_is_lossless(paths):
-    """auto takes a8 for the bundled GGUF where the CPU has VNNI or AMX; greedy speculation then gives plain
-    decoding's tokens (fp32, so that attention's own rounding cannot flip a near-tie)."""
+def test_default_model_under_a8_greedy_speculation_equals_plain(paths):
+    """The bundled GGUF under a8: greedy speculation gives plain decoding's tokens (fp32, eager: decode and
+    verification steps compute a row alike there)."""
     if not quant.a8_serves(CPU):
-        pytest.skip("this CPU has no integer dot-product instruction (AVX512-VNNI, AMX-INT8, AVX-VNNI): auto keeps q4_linear")
+        pytest.skip("this CPU has no integer dot-product instruction (AVX512-VNNI, AMX-INT8, AVX-VNNI)")
     prompts = [
         [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, twice."}],
         [{"role": "user", "content": "What is the capital of France?"}],
     ]
     params = SamplingParams(max_tokens=10, temperature=0)
-    config = dict(dtype="float32", compile=False)
+    config = dict(dtype="float32", compile=False, quantization="a8")
     plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
     assert kinds(plain) == {"a8"}
     spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(num_speculative_tokens=6, adaptive=False)), log=False)
@@ -239,3 +239,8 @@ def test_default_model_serves_a8_where_the_cpu_has_integer_dot_products_and_spec
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert sum(o.stats.accepted for o in got) > 0
+
+
+def test_auto_keeps_the_weight_only_kernels(default_model_source, paths):
+    engine = Engine(EngineConfig(dtype="float32", compile=False, speculative=SpeculativeConfig(method="off")), log=False)
+    assert "a8" not in kinds(engine) and "q4" in kinds(engine)

@@ -10,9 +10,8 @@ dense GEMM wins. Which kernel serves how many rows is measured at start-up for e
 Modes: "none" serves the dense weights as loaded; "int4" holds every projection as groupwise 4-bit
 weights (group 32); "int8" as per-output-channel 8-bit weights; "a8" holds a GGUF file's 4- and 8-bit
 blocks as they are and multiplies them by x rounded to 8-bit blocks, in integers (PackedA8,
-csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first); "auto" is "a8" for a GGUF
-file's blocks where the CPU has an integer dot product (a8_serves), else holds as int4 exactly the
-projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
+csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first; asked for, not the default:
+see the README); "auto" holds as int4 exactly the projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
 dense, so the weights served are the source's own.
 
 On CPU, where specstream's own kernels build (cpu.py), they serve the blocks instead, with the file's
@@ -388,23 +387,15 @@ def q8_0_blocks(weight: torch.Tensor) -> Int8Blocks:
 
 
 def a8_serves(device: torch.device) -> bool:
-    """Whether a8 (8-bit activation blocks, integer dot products) is the faster kernel here, so that "auto"
-    takes it for a GGUF file's blocks: on CPU, with specstream's kernels built, where the CPU has an integer
-    dot-product instruction (AVX512-VNNI, AMX-INT8 or AVX-VNNI). With AVX2 alone a8 still runs, by
-    VPMADDUBSW, but was never measured against q4_linear: auto keeps q4_linear there."""
+    """Whether a8 (8-bit activation blocks, integer dot products) has a fast path here: on CPU, with
+    specstream's kernels built, where the CPU has an integer dot-product instruction (AVX512-VNNI, AMX-INT8
+    or AVX-VNNI). With AVX2 alone a8 still runs, by VPMADDUBSW, but was never measured against q4_linear."""
     from specstream.kernels import cpu as cpu_kernels
 
     if torch.device(device).type != "cpu" or not cpu_kernels.load():
         return False
     paths = list(torch.ops.specstream.a8_paths())
     return any(p in paths[: paths.index(-1)] for p in (2, 3)) or paths[-1] == 1
-
-
-def resolve_mode(mode: str, gguf_path: str | Path | None, device: torch.device) -> str:
-    """The mode that serves: "auto" becomes "a8" for a GGUF file's blocks where a8 serves (a8_serves)."""
-    if mode == "auto" and gguf_path and a8_serves(device):
-        return "a8"
-    return mode
 
 
 def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
@@ -429,7 +420,6 @@ def make_factory(
     starts (kept_weights.py; the caller keys it); found there, the source's blocks are not read at all."""
     if mode == "none":
         return None
-    mode = resolve_mode(mode, gguf_path, device)
     if mode == "auto" and device.type != "cpu":
         return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
     kept = KeptWeights(kept_path, torch.device(device)) if kept_path is not None else None
