@@ -11,8 +11,8 @@ Modes: "none" serves the dense weights as loaded; "int4" holds every projection 
 weights (group 32); "int8" as per-output-channel 8-bit weights; "a8" holds a GGUF file's 4- and 8-bit
 blocks as they are and multiplies them by x rounded to 8-bit blocks, in integers (PackedA8,
 csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first; asked for, not the default:
-see the README); "auto" holds as int4 exactly the projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
-dense, so the weights served are the source's own.
+see the README); "auto" holds as int4 exactly the projections whose source is already 4-bit (a GGUF
+file's Q4_0/Q4_1 blocks, weights.py) and the rest dense, so the weights served are the source's own.
 
 On CPU, where specstream's own kernels build (cpu.py), they serve the blocks instead, with the file's
 weights exactly: 4-bit blocks by q4_linear (PackedQ4), 8-bit blocks (GGUF Q8_0: int8 codes, a scale per
@@ -441,5 +441,4 @@ def kept_key(device: torch.device) -> list:
     h = hashlib.sha256()
     for module in (__file__, weights_module.__file__, kept_weights_module.__file__):
         h.update(Path(module).read_bytes())
-    on_cpu = torch.device(device).type == "cpu" and cpu_kernels.load()
-    return [on_cpu, on_cpu and a8_serves(device), h.hexdigest()[:16]]
+    return [torch.device(device).type == "cpu" and cpu_kernels.load(), h.hexdigest()[:16]]
