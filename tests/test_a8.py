@@ -17,7 +17,7 @@ import torch
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
-from specstream.kernels.quant import PackedA8, q8_0_blocks
+from specstream.kernels.quant import PackedA8
 from specstream.kernels.weights import Int4Weights, Int8Blocks
 
 PATHS = {0: "scalar", 1: "avx2", 2: "avx512_vnni", 3: "amx_int8"}
@@ -111,7 +111,7 @@ def reference(x: torch.Tensor, w: Int4Weights | Int8Blocks) -> torch.Tensor:
 def realistic(n: int, k: int, kind: str, seed: int) -> Int4Weights | Int8Blocks:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     if kind == "q8_0":
-        return q8_0_blocks(w)
+        return Int8Blocks.quantize(w, torch.float16)
     int4 = Int4Weights.quantize(w)
     if kind == "q4_0":  # symmetric: m = -8 d
         d = (w.view(n, -1, 32).abs().amax(-1) / 8).half().float()
@@ -161,7 +161,8 @@ def test_the_dispatcher_lists_what_this_cpu_has_and_refuses_the_rest(paths):
         with pytest.raises(RuntimeError, match="not available"):
             a8(torch.randn(1, 32), PackedA8(w, CPU), path)
     assert a8(torch.randn(1, 32), PackedA8(w, CPU)).shape == (1, 16)
-    assert quant.a8_serves(CPU) == bool({2, 3} & set(paths) or torch.ops.specstream.a8_paths()[-1] == 1)
+    # a fast path wherever the CPU has an integer dot product (this build's compiler takes every flag)
+    assert quant.a8_serves(CPU) == bool({"avx512_vnni", "amx_int8", "avx_vnni"} & flags)
 
 
 def test_a_compiler_without_the_flags_builds_without_that_path_and_says_so_once(tmp_path, caplog):

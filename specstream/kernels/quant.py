@@ -330,7 +330,7 @@ class LinearFactory:
         elif len(source) == 1 and isinstance(source[0], Int8Blocks):
             blocks = source[0]
         elif not self.source_int4 and weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0:
-            blocks = q8_0_blocks(weight)
+            blocks = Int8Blocks.quantize(weight, torch.float16)
         if blocks is None or not PackedA8.fits(blocks):
             return Linear(names, weight)
         return self._holding(names, weight, PackedA8(blocks, self.device), blocks.dequantize())
@@ -375,15 +375,6 @@ class LinearFactory:
     def kernel_kinds(self) -> list[str]:
         """The packed kernels serving (quant.project's kinds): start-up timings depend on them."""
         return sorted({lin.packed.kernel[0] for lin in self.quantized})
-
-
-def q8_0_blocks(weight: torch.Tensor) -> Int8Blocks:
-    """A dense [N, K] weight as 8-bit blocks by GGUF Q8_0's rule: per block of 32, d = max |w| / 127 stored in
-    float16, codes round(w / d) in -127..127."""
-    blocks = weight.detach().float().view(weight.shape[0], -1, GROUP)
-    scales = (blocks.abs().amax(-1) / 127).half().float().clamp_min(torch.finfo(torch.float16).tiny)
-    codes = (blocks / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(weight.shape)
-    return Int8Blocks(codes, scales)
 
 
 def a8_serves(device: torch.device) -> bool:

@@ -72,12 +72,13 @@ class Int8Blocks:
     scales: torch.Tensor  # [N, K // 32] float32
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Blocks:
+    def quantize(cls, weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> Int8Blocks:
         """Round-to-nearest symmetric quantization of a dense [N, K] weight, per block of 32 inputs
-        (codes -127..127, Q8_0's rule)."""
+        (codes -127..127, Q8_0's rule), the scales rounded to scale_dtype first (float16: as a GGUF
+        file stores them, which a8's kernel takes)."""
         w = weight.detach().float()
         blocks = w.view(w.shape[0], -1, GROUP)
-        scales = (blocks.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        scales = (blocks.abs().amax(-1) / 127).to(scale_dtype).float().clamp_min(torch.finfo(scale_dtype).tiny)
         codes = (blocks / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view_as(w)
         return cls(codes, scales)
 
