@@ -47,6 +47,19 @@ def _add_serve(sub) -> None:
         default=_env("draft_model"),
         help="draft model (method draft) or draft-head directory (eagle, auto; default: the bundled head)",
     )
+    a(
+        "--suffix-max-cached-requests",
+        type=int,
+        default=int(_env("suffix_max_cached_requests", spec.suffix_max_cached_requests)),
+        help="earlier requests whose outputs suffix decoding (methods suffix, auto) drafts from; oldest dropped first",
+    )
+    a("--suffix-max-depth", type=int, default=int(_env("suffix_max_depth", spec.suffix_max_depth)))
+    a(
+        "--suffix-max-spec-factor",
+        type=float,
+        default=float(_env("suffix_max_spec_factor", spec.suffix_max_spec_factor)),
+    )
+    a("--suffix-min-token-prob", type=float, default=float(_env("suffix_min_token_prob", spec.suffix_min_token_prob)))
     a("--chat-template", default=_env("chat_template"), help="Jinja chat template, file or inline")
     a("--dtype", default=_env("dtype", engine.dtype), choices=DTYPES)
     a(
@@ -159,6 +172,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,
             draft_model=args.draft_model,
+            suffix_max_depth=args.suffix_max_depth,
+            suffix_max_spec_factor=args.suffix_max_spec_factor,
+            suffix_min_token_prob=args.suffix_min_token_prob,
+            suffix_max_cached_requests=args.suffix_max_cached_requests,
         ),
     )
 

@@ -51,7 +51,7 @@ class StreamOptions(_Strict):
 
 
 class SpeculativeOptions(_Strict):
-    method: Literal["auto", "eagle", "ngram", "draft", "off"] | None = None
+    method: Literal["auto", "suffix", "eagle", "ngram", "draft", "off"] | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("auto", "ngram", "eagle", "draft", "off")
+SPECULATIVE_METHODS = ("auto", "suffix", "ngram", "eagle", "draft", "off")
 QUANTIZATION_MODES = ("none", "auto", "int8", "int4", "a8")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -14,9 +14,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class SpeculativeConfig:
     """How drafts are proposed.
 
-    method: "auto" (the default: per sequence and round, the draft head or an n-gram match,
-    whichever is expected to yield more tokens per unit of cost; n-gram alone for a target
-    with no head), "ngram" (prompt lookup over prompt + output), "eagle" (a trained
+    method: "auto" (the default: per sequence and round, the draft head, a suffix-tree draft, an
+    n-gram match or none, whichever is expected to yield more tokens per unit of cost; without a
+    head for the target, the others), "suffix" (suffix decoding: how text ending like this went
+    on before, in this request and in earlier requests' outputs), "ngram" (prompt lookup over
+    prompt + output), "eagle" (a trained
     EAGLE-3-style draft head: the directory draft_model, or with None the head bundled for
     the model), "draft" (a small model sharing the target's vocabulary, named by
     draft_model), or "off" (plain decoding). The README's "Trained draft heads" section has what
@@ -26,6 +28,9 @@ class SpeculativeConfig:
     measured cost of verification; False drafts k_max whenever a proposal exists.
     forced_drafts: draft the tokens a request's grammar forces (structured outputs), on
     top of k and whatever the method ("off" included).
+    suffix_*: suffix decoding's (method "suffix", and auto's) tree depth (the longest match plus draft),
+    longest draft per token of match, least estimated chance of a draft token, and the earlier requests
+    whose outputs the global cache keeps (oldest dropped first; 0 keeps none).
     """
 
     method: str = "auto"
@@ -36,6 +41,10 @@ class SpeculativeConfig:
     ngram_max: int = 4
     adaptive: bool = True
     forced_drafts: bool = True  # [structured]
+    suffix_max_depth: int = 24
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -46,6 +55,14 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs draft_model")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 2 <= self.suffix_max_depth <= 128:
+            raise ValueError("suffix_max_depth must be between 2 and 128")
+        if not 0.0 < self.suffix_max_spec_factor <= 64.0:
+            raise ValueError("suffix_max_spec_factor must be in (0, 64]")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError("suffix_min_token_prob must be between 0 and 1")
+        if not 0 <= self.suffix_max_cached_requests <= 100_000:
+            raise ValueError("suffix_max_cached_requests must be between 0 and 100000")
 
     @property
     def enabled(self) -> bool:

@@ -34,6 +34,8 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
     method: str = ""  # which proposer made it (a metrics label)
     num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
+    # Each token's estimated chance of being reached and accepted, where the proposer has one (suffix).
+    chances: list[float] | None = None
 
 
 @dataclass

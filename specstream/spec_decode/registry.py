@@ -7,9 +7,11 @@ from specstream.spec_decode.draft_model import DraftModelProposer
 from specstream.spec_decode.eagle import EagleProposer
 from specstream.spec_decode.ngram import NgramProposer
 from specstream.spec_decode.proposer import NoProposer, Proposer, ProposerContext
+from specstream.spec_decode.suffix import SuffixProposer
 
 PROPOSERS: dict[str, type[Proposer]] = {
     "off": NoProposer,
+    "suffix": SuffixProposer,
     "ngram": NgramProposer,
     "draft": DraftModelProposer,
     "eagle": EagleProposer,

@@ -1,0 +1,173 @@
+"""SuffixTree: csrc/suffix_tree.cpp's bounded-depth suffix tree over token sequences, loaded with ctypes.
+
+The library is plain C++ with a C interface (no torch or Python headers), built with the C++ compiler on
+first use into cache_dir()/kernels/<key>/ (the key covers the source and the compiler's command) in
+about a second, and loaded in milliseconds after. Where it cannot be built (no compiler) `available()`
+is False, says why once in the log, and suffix decoding is not offered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from specstream.cache import cache_dir
+
+log = logging.getLogger("specstream.kernels.suffix_tree")
+
+SOURCE = Path(__file__).parent / "csrc" / "suffix_tree.cpp"
+# Most draft tokens one speculate() call returns (the output buffers' size).
+MAX_DRAFT = 256
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+_i32p = ctypes.POINTER(ctypes.c_int32)
+_f32p = ctypes.POINTER(ctypes.c_float)
+
+
+def _command(out: Path) -> list[str]:
+    return [os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+
+
+def _build() -> Path:
+    key = hashlib.sha256(repr(_command(Path("out.so"))).encode() + SOURCE.read_bytes()).hexdigest()[:20]
+    directory = cache_dir() / "kernels" / f"suffix-{key}"
+    target = directory / "specstream_suffix_tree.so"
+    digest = directory / "specstream_suffix_tree.so.sha256"
+    if target.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(target):
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run(_command(Path(tmp)), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
+        digest.write_text(_sha256(Path(tmp)) + "\n")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the suffix tree into %s", directory)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _error = f"{type(exc).__name__}: {exc}"
+                log.warning("suffix decoding is unavailable (its suffix tree could not be built): %s", _error)
+                return None
+            lib.sst_new.argtypes, lib.sst_new.restype = [ctypes.c_int], ctypes.c_void_p
+            lib.sst_delete.argtypes, lib.sst_delete.restype = [ctypes.c_void_p], None
+            lib.sst_extend.argtypes, lib.sst_extend.restype = [ctypes.c_void_p, ctypes.c_int64, _i32p, ctypes.c_int], ctypes.c_int
+            lib.sst_remove.argtypes, lib.sst_remove.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int
+            lib.sst_seq_len.argtypes, lib.sst_seq_len.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
+            lib.sst_num_nodes.argtypes, lib.sst_num_nodes.restype = [ctypes.c_void_p], ctypes.c_int64
+            lib.sst_count.argtypes, lib.sst_count.restype = [ctypes.c_void_p, _i32p, ctypes.c_int], ctypes.c_int64
+            lib.sst_speculate.argtypes = [
+                ctypes.c_void_p, _i32p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, _i32p, _f32p,
+                ctypes.POINTER(ctypes.c_int),
+            ]
+            lib.sst_speculate.restype = ctypes.c_int
+            _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether the suffix tree is built and loaded here (it is built on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    return _error
+
+
+def _tokens(tokens) -> tuple[np.ndarray, ctypes._Pointer]:
+    arr = np.ascontiguousarray(tokens, dtype=np.int32)
+    return arr, arr.ctypes.data_as(_i32p)
+
+
+class SuffixTree:
+    """Counts of every substring of at most max_depth tokens of the sequences it holds (by integer id)."""
+
+    def __init__(self, max_depth: int) -> None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"the suffix tree is unavailable: {_error}")
+        if not 1 <= max_depth <= MAX_DRAFT:
+            raise ValueError(f"max_depth must be between 1 and {MAX_DRAFT}")
+        self._lib = lib
+        self.max_depth = max_depth
+        self._handle = lib.sst_new(max_depth)
+        if not self._handle:
+            raise MemoryError("could not create a suffix tree")
+        self._out_tokens = (ctypes.c_int32 * MAX_DRAFT)()
+        self._out_probs = (ctypes.c_float * MAX_DRAFT)()
+        self._out_match = ctypes.c_int(0)
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.sst_delete(handle)
+
+    def extend(self, seq_id: int, tokens) -> None:
+        """Append tokens to sequence seq_id (created on first use)."""
+        arr, ptr = _tokens(tokens)
+        if len(arr) and self._lib.sst_extend(self._handle, seq_id, ptr, len(arr)) != 0:
+            self.remove(seq_id)
+            raise MemoryError("the suffix tree ran out of memory")
+
+    def remove(self, seq_id: int) -> bool:
+        """Take sequence seq_id out (its substrings' counts go back down); whether it was held."""
+        done = self._lib.sst_remove(self._handle, seq_id)
+        if done < 0:
+            raise MemoryError("the suffix tree ran out of memory while removing a sequence")
+        return bool(done)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens held for seq_id; -1 where it is not held."""
+        return int(self._lib.sst_seq_len(self._handle, seq_id))
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self._lib.sst_num_nodes(self._handle))
+
+    def count(self, tokens) -> int:
+        """How often `tokens` occur in the held sequences (substrings up to max_depth long)."""
+        arr, ptr = _tokens(tokens)
+        return int(self._lib.sst_count(self._handle, ptr, len(arr)))
+
+    def speculate(
+        self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> tuple[list[int], list[float], int]:
+        """(draft tokens, each one's estimated chance of being how the text goes on, match length) for the
+        context's last tokens: the best draft over every match length, by the sum of its chances."""
+        ctx = context[-self.max_depth :]
+        arr, ptr = _tokens(ctx)
+        n = self._lib.sst_speculate(
+            self._handle, ptr, len(arr), min(max_tokens, MAX_DRAFT), max_spec_factor, min_token_prob,
+            self._out_tokens, self._out_probs, ctypes.byref(self._out_match),
+        )
+        if n < 0:
+            raise MemoryError("the suffix tree ran out of memory while speculating")
+        return list(self._out_tokens[:n]), list(self._out_probs[:n]), int(self._out_match.value)

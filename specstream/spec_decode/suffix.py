@@ -1,0 +1,150 @@
+"""Suffix decoding (Oliaro et al., NeurIPS 2025; vLLM's method "suffix"): drafts from how text that ends
+like this one went on before, in this request and in earlier ones.
+
+Two kinds of suffix tree (kernels/suffix_tree.py, C++):
+- one per running request, over its prompt (the last `suffix_prompt_tokens`) and its output so far;
+- a global cache over the outputs of earlier requests, bounded to `suffix_max_cached_requests` requests
+  (the oldest dropped first), one tree per cache_salt as in the prefix cache, so that requests of one
+  salt never draft from another's outputs.
+
+Each round, both trees are matched against the sequence's last tokens and continued along the most
+frequent path; the draft with the larger sum of estimated chances is proposed. A draft is at most
+`suffix_max_spec_factor` times its match length long, and stops at the first token whose estimated chance
+(child count over parent count, multiplied along the path) falls under `suffix_min_token_prob`.
+
+The drafts are deterministic (q one-hot), so verification is the same as for n-gram drafts, greedy or
+sampled. Each draft carries its tokens' estimated chances (Draft.chances), which auto (auto.py) prices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from specstream.kernels.suffix_tree import SuffixTree, available, unavailable_reason
+from specstream.sequence import Sequence
+from specstream.spec_decode.proposer import Draft, Proposer, ProposerContext
+
+logger = logging.getLogger(__name__)
+
+
+class SuffixUnavailable(RuntimeError):
+    """The suffix tree could not be built here (no C++ compiler)."""
+
+
+class GlobalSuffixCache:
+    """The outputs of earlier requests, one suffix tree per cache_salt, at most max_requests in all."""
+
+    def __init__(self, max_depth: int, max_requests: int, max_tokens: int) -> None:
+        self.max_depth = max_depth
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens  # of one request's output kept
+        self._trees: dict[str | None, SuffixTree] = {}
+        self._held: dict[str | None, int] = {}  # requests held per salt
+        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, oldest first
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, salt: str | None, tokens: list[int]) -> None:
+        if self.max_requests <= 0 or not tokens:
+            return
+        tree = self._trees.get(salt)
+        if tree is None:
+            tree = self._trees[salt] = SuffixTree(self.max_depth)
+        seq_id = next(self._ids)
+        tree.extend(seq_id, tokens[: self.max_tokens])
+        self._order[seq_id] = salt
+        self._held[salt] = self._held.get(salt, 0) + 1
+        while len(self._order) > self.max_requests:
+            self._evict()
+
+    def _evict(self) -> None:
+        seq_id, salt = self._order.popitem(last=False)
+        self._trees[salt].remove(seq_id)
+        self._held[salt] -= 1
+        if not self._held[salt]:
+            del self._trees[salt], self._held[salt]
+
+    def speculate(self, salt: str | None, context: list[int], k: int, factor: float, min_prob: float):
+        tree = self._trees.get(salt)
+        return tree.speculate(context, k, factor, min_prob) if tree is not None else ([], [], 0)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(t.num_nodes for t in self._trees.values())
+
+
+@dataclass
+class _Local:
+    tree: SuffixTree
+    start: int  # index in seq.token_ids where the tree's tokens begin
+    held: int = 0  # tokens the tree holds
+
+
+class SuffixProposer(Proposer):
+    def __init__(
+        self,
+        max_depth: int = 24,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_requests: int = 256,
+        prompt_tokens: int = 4096,
+        cached_tokens: int = 1024,
+    ) -> None:
+        if not available():
+            raise SuffixUnavailable(f"suffix decoding needs its C++ suffix tree, which could not be built: {unavailable_reason()}")
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.prompt_tokens = prompt_tokens
+        self.cache = GlobalSuffixCache(max_depth, max_cached_requests, cached_tokens)
+        self._local: dict[str, _Local] = {}
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> SuffixProposer:
+        spec = ctx.config.speculative
+        return cls(
+            spec.suffix_max_depth,
+            spec.suffix_max_spec_factor,
+            spec.suffix_min_token_prob,
+            spec.suffix_max_cached_requests,
+        )
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """[structured] Continue a token list from the global cache (drafts after grammar-forced tokens)."""
+        return self.cache.speculate(None, tokens[-self.max_depth :], k, self.max_spec_factor, self.min_token_prob)[0]
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [self.draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+
+    def draft(self, seq: Sequence, k: int) -> Draft:
+        """The better of the request's own tree's draft and the global cache's, up to k tokens."""
+        context = seq.token_ids[-self.max_depth :]
+        local = self._sync(seq)
+        mine = local.tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
+        earlier = self.cache.speculate(seq.cache_salt, context, k, self.max_spec_factor, self.min_token_prob)
+        tokens, chances, _ = max(mine, earlier, key=lambda d: sum(d[1]))
+        return Draft(tokens, None, "suffix", chances=chances) if tokens else Draft([])
+
+    def _sync(self, seq: Sequence) -> _Local:
+        """The request's tree, holding its prompt's last tokens and everything after them."""
+        local = self._local.get(seq.request_id)
+        if local is None:
+            start = max(0, seq.num_prompt_tokens - self.prompt_tokens)
+            local = self._local[seq.request_id] = _Local(SuffixTree(self.max_depth), start)
+        new = seq.token_ids[local.start + local.held :]
+        if new:
+            local.tree.extend(0, new)
+            local.held += len(new)
+        return local
+
+    def release(self, seq: Sequence) -> None:
+        """A finished request's output joins the global cache; a preempted one's tree is rebuilt when it
+        runs again."""
+        self._local.pop(seq.request_id, None)
+        if seq.finish_reason not in (None, "error") and seq.num_output_tokens:
+            self.cache.add(seq.cache_salt, seq.output_ids)
