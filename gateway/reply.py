@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.serving import Delta
+from gateway.serving import Delta, add_stats
 from gateway.tools import ToolCallParser
 
 
@@ -57,8 +57,7 @@ class Reply:
         return any(b.kind == "call" for b in self.blocks)
 
     def feed(self, delta: Delta) -> list[BlockEvent]:
-        for key, value in delta.speculative.items():
-            self._stats[key] = self._stats.get(key, 0) + value
+        add_stats(self._stats, delta.speculative)
         events: list[BlockEvent] = []
         for message in self._messages(delta):
             if message.get("content"):

@@ -27,6 +27,20 @@ from gateway.state import ServingState
 from specstream import SamplingParams, StreamChunk, Usage
 
 
+def add_stats(into: dict, stats: dict) -> None:
+    """Add a delta's speculative counts into a running total (the rounds by method included)."""
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            add_stats(into.setdefault(key, {}), value)
+        else:
+            into[key] = into.get(key, 0) + value
+
+
+def zero_stats(stats: dict) -> dict:
+    """The same keys with nothing counted."""
+    return {key: {} if isinstance(value, dict) else 0 for key, value in stats.items()}
+
+
 @dataclass
 class Delta:
     """What one engine chunk adds to one choice, in the endpoint's terms."""
@@ -203,6 +217,9 @@ class OpenAIServing(ABC):
             stats["tokens"] += len(chunk.token_ids)
             if chunk.num_forced:  # [structured] drafts a grammar forced (counted in drafted too)
                 stats["forced"] = stats.get("forced", 0) + chunk.num_forced
+            if chunk.method:  # which proposer drafted each round: rounds by method
+                methods = stats.setdefault("methods", {})
+                methods[chunk.method] = methods.get(chunk.method, 0) + 1
             entries = self.logprob_entries(index, chunk) if self.logprobs is not None else []
             if chunk.finished:
                 self.usage.add(index, chunk.usage)

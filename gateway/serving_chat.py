@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway import tools as tool_format
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Delta, OpenAIServing
+from gateway.serving import Delta, OpenAIServing, zero_stats
 from gateway.state import ServingState
 from specstream import StreamChunk
 
@@ -72,7 +72,7 @@ class ServingChat(OpenAIServing):
                     "delta": message,
                     "logprobs": self._logprobs_field(delta.logprobs) if not n else None,
                     "finish_reason": None,
-                    "speculative": delta.speculative if not n else dict.fromkeys(delta.speculative, 0),
+                    "speculative": delta.speculative if not n else zero_stats(delta.speculative),
                 }
             )
         if delta.finish_reason is not None:

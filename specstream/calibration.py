@@ -20,6 +20,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,8 +43,17 @@ CONTEXT = 64
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+# Online correction (CostModel.observe): how far one observed step moves the curve toward it (a fraction
+# of the log-ratio), and the largest log-ratio one step may count with (a step that compiled a new shape,
+# or was descheduled, says little about the next ones).
+ONLINE_RATE = 0.1
+ONLINE_CLIP = math.log(3.0)
+
+
 class CostModel:
-    """Piecewise-linear forward time (seconds) as a function of the step's token count."""
+    """Piecewise-linear forward time (seconds) as a function of the step's token count, as timed, times a
+    correction learned online from the steps the engine runs (observe): the curve follows the machine as
+    it is now (a busy spell while it was timed, replicas sharing the node, noisy neighbours)."""
 
     def __init__(self, tokens: list[int], seconds: list[float]) -> None:
         self.tokens = list(tokens)
@@ -52,14 +62,42 @@ class CostModel:
         self.seconds = []
         for s in seconds:
             self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
+        self.log_scale = [0.0] * len(self.tokens)  # the online correction at each timed size, in log
+        self.observed = 0  # steps observed
 
-    def __call__(self, n: float) -> float:
+    def timed(self, n: float) -> float:
+        """The curve as timed, without the online correction."""
         t, s = self.tokens, self.seconds
         if len(t) == 1:
             return s[0] * max(n, 1) / t[0]
         i = min(max(bisect.bisect_left(t, n), 1), len(t) - 1)
         slope = (s[i] - s[i - 1]) / (t[i] - t[i - 1])
         return max(s[i - 1] + slope * (n - t[i - 1]), 1e-9)
+
+    def _weights(self, n: float) -> list[tuple[int, float]]:
+        """The timed sizes around n and their linear weights (the nearest one past either end)."""
+        t = self.tokens
+        if n <= t[0] or len(t) == 1:
+            return [(0, 1.0)]
+        if n >= t[-1]:
+            return [(len(t) - 1, 1.0)]
+        i = bisect.bisect_left(t, n)
+        w = (n - t[i - 1]) / (t[i] - t[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
+
+    def __call__(self, n: float) -> float:
+        if not self.observed:
+            return self.timed(n)
+        return self.timed(n) * math.exp(sum(w * self.log_scale[j] for j, w in self._weights(n)))
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A step over n tokens took `seconds`: move the curve near n toward it."""
+        if n < 1 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        error = min(max(math.log(seconds / self(n)), -ONLINE_CLIP), ONLINE_CLIP)
+        for j, w in self._weights(n):
+            self.log_scale[j] += ONLINE_RATE * w * error
+        self.observed += 1
 
     def save(self, path: Path) -> None:
         save_json(path, {"tokens": self.tokens, "seconds": self.seconds})

@@ -37,6 +37,7 @@ class SpeculativeStats:
     accepted: int = 0
     tokens: int = 0
     forced: int = 0  # of drafted, the tokens a grammar forced (structured outputs)
+    methods: dict[str, int] = field(default_factory=dict)  # rounds by the proposer that drafted them
 
     @classmethod
     def parse(cls, data: dict | None) -> SpeculativeStats | None:

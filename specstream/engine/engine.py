@@ -14,6 +14,7 @@ exception in the target's forward escapes step(), since the batch cannot go on w
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import torch
@@ -56,7 +57,12 @@ def _usage(seq: Sequence) -> Usage:
 
 
 def _cut(draft: Draft, k: int) -> Draft:
-    return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.method)
+    return Draft(
+        draft.tokens[:k],
+        None if draft.probs is None else draft.probs[:k],
+        draft.method,
+        chances=None if draft.chances is None else draft.chances[:k],
+    )
 
 
 class Engine:
@@ -169,17 +175,26 @@ class Engine:
         completing = [seq for seq, n in plan.prefills if seq.num_cached + n == len(seq.token_ids)]
         items = self._pack(decodes, drafts, plan.prefills)
         aux_layers = self.proposer.aux_layers
+        started = time.perf_counter()
         logits, aux = self.runner.forward(items, aux_layers) if aux_layers else (self.runner.forward(items), None)
         for seq, n in plan.prefills:
             seq.num_cached += n
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
-        results = self._verify(rounds)
+        results = self._verify(rounds)  # reads the logits back: the forward has finished, on any device
+        self._observe_cost(sum(len(item.tokens) for item in items), time.perf_counter() - started)
         if aux is not None:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
         self._update_gauges()
         return outputs
+
+    def _observe_cost(self, tokens: int, seconds: float) -> None:
+        """Every draft is priced from the forward-time curve: each step the engine runs corrects it, so that
+        the price follows the machine as it is now (calibration.CostModel.observe)."""
+        cost = self.policy.target_cost
+        if cost is not None:
+            cost.observe(tokens, seconds)
 
     def _schedule(self) -> StepPlan:
         preempted = self.scheduler.num_preemptions
@@ -343,7 +358,7 @@ class Engine:
         accepted = min(result.num_accepted, len(new))
         forced = rnd.draft.num_forced
         self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced)
-        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits, forced)
+        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits, forced, rnd.draft.method if rnd.k else "")
         if seq.finish_reason is not None:
             self._finish(seq)
         else:
@@ -380,11 +395,17 @@ class Engine:
         seq.stats.record(num_drafted, num_accepted, num_forced)
         if decoding:  # [structured] the k policy learns from the proposer's own drafts only
             record_round(seq, *proposer_share(num_drafted, num_accepted, num_forced))
-        self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced)
+        self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced, decoding)
 
     @staticmethod
     def _chunk(
-        seq: Sequence, new: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor, num_forced: int = 0
+        seq: Sequence,
+        new: list[int],
+        num_drafted: int,
+        num_accepted: int,
+        logits: torch.Tensor,
+        num_forced: int = 0,
+        method: str = "",
     ) -> StreamChunk:
         finished = seq.finish_reason is not None
         top = seq.params.logprobs
@@ -400,6 +421,7 @@ class Engine:
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if seq.num_output_tokens == len(new) else None,
             logprobs=token_logprobs(logits, new, top) if top is not None else None,
             stop_string=seq.detokenizer.matched if finished else None,
+            method=method,
         )
 
     def _finish(self, seq: Sequence) -> None:

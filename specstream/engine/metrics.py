@@ -51,7 +51,7 @@ class EngineMetrics:
         self.num_accepted_tokens = Counter("specstream_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.num_accepted_tokens_per_pos = Counter(
             "specstream_spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by draft position and proposer (eagle, ngram, draft).",
+            "Draft tokens accepted, by draft position and proposer (suffix, ngram, eagle, draft).",
             ["position", "method"],
             registry=r,
         )
@@ -59,6 +59,18 @@ class EngineMetrics:
             "specstream_spec_decode_num_draft_tokens_per_pos",
             "Draft tokens verified, by draft position and proposer.",
             ["position", "method"],
+            registry=r,
+        )
+        self.rounds_by_method = Counter(
+            "specstream_spec_decode_rounds",
+            "Decoding rounds, by the proposer that drafted them (suffix, ngram, eagle, draft; none: plain decoding).",
+            ["method"],
+            registry=r,
+        )
+        self.tokens_by_method = Counter(
+            "specstream_spec_decode_emitted_tokens",
+            "Tokens emitted by decoding rounds, by the proposer that drafted them (none: plain decoding).",
+            ["method"],
             registry=r,
         )
         # [structured] grammar-forced drafts, counted in num_draft_tokens/num_accepted_tokens too
@@ -99,9 +111,13 @@ class EngineMetrics:
         self.prefix_totals = PrefixCacheStats(stats.queries, stats.hits)
 
     def record_round(
-        self, num_drafted: int, num_accepted: int, num_tokens: int, method: str = "", num_forced: int = 0
+        self, num_drafted: int, num_accepted: int, num_tokens: int, method: str = "", num_forced: int = 0, decoding: bool = True
     ) -> None:
         self.generation_tokens.inc(num_tokens)
+        if decoding:
+            label = (method or "forced") if num_drafted else "none"
+            self.rounds_by_method.labels(method=label).inc()
+            self.tokens_by_method.labels(method=label).inc(num_tokens)
         if num_forced:  # [structured]
             self.num_forced_tokens.inc(num_forced)
             self.num_forced_accepted_tokens.inc(min(num_forced, num_accepted))

@@ -17,12 +17,19 @@ Where the head is not picked, an n-gram match drafts exactly as under method "ng
 policy (policy.KPolicy) has already weighed drafting against plain decoding from the sequence's
 own acceptance, and charges auto's drafts no head step (the head's steps are priced here). So
 auto drafts at least what "ngram" does, and differs only where the head is expected to do better.
+
+Suffix decoding (suffix.py) drafts with an estimated chance for each token (how often the matched text
+went on that way before). Its round is priced from those chances, scaled by how well they have
+predicted this sequence's acceptance so far (a decayed ratio of accepted drafts to the chances' sum,
+starting at 1): verifying its first m drafts is expected to emit 1 + f * (c_1 + ... + c_m) tokens, and
+it is cut at the m with the best rate. It is picked where that rate beats the others' (and plain
+decoding's); where the suffix tree cannot be built here, auto goes on without it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +40,7 @@ from specstream.spec_decode.draft_head import HeadError
 from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
 from specstream.spec_decode.ngram import NgramProposer
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext
+from specstream.spec_decode.suffix import SuffixProposer, SuffixUnavailable
 from specstream.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -47,18 +55,59 @@ DECAY = 0.9
 
 
 @dataclass
+class Calibration:
+    """How well a proposer's own chances predict acceptance: decayed sums of accepted drafts and of
+    the chances of the drafts verified, their ratio pulled toward 1 while they are few."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def factor(self, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.accepted + weight) / (self.expected + weight)
+
+    def record(self, expected: float, accepted: int, decay: float = DECAY) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.expected = self.expected * decay + expected
+
+
+def best_cut(chances: list[float], factor: float, verify: CostModel | None) -> tuple[float, int]:
+    """The best expected rate of a draft whose tokens are reached and accepted with factor * chances[j],
+    over its first m tokens (m >= 1), and that m."""
+    best, best_m, expected = 0.0, 0, 1.0
+    for m, c in enumerate(chances, 1):
+        expected += factor * c
+        rate = round_rate_expected(expected, m, verify)
+        if rate > best:
+            best, best_m = rate, m
+    return best, best_m
+
+
+def round_rate_expected(expected: float, drafts: int, verify: CostModel | None) -> float:
+    return expected / (verify(1 + drafts) if verify is not None else 1.0)
+
+
+@dataclass
 class _SeqChoice:
     head: Acceptance
     ngram: Acceptance
+    suffix: Calibration = field(default_factory=Calibration)
     last_method: str = ""
+    last_expected: float = 0.0  # the suffix draft's sum of chances
     last_drafted: int = 0  # seq.stats totals when the last draft was handed out
     last_accepted: int = 0
 
 
 class AutoProposer(Proposer):
-    def __init__(self, head: EagleProposer | None, ngram: NgramProposer, head_prior: float = HEAD_PRIOR) -> None:
+    def __init__(
+        self,
+        head: EagleProposer | None,
+        ngram: NgramProposer,
+        head_prior: float = HEAD_PRIOR,
+        suffix: SuffixProposer | None = None,
+    ) -> None:
         self.head = head
         self.ngram = ngram
+        self.suffix = suffix
         self.head_prior = head_prior
         self.aux_layers = head.aux_layers if head is not None else ()
         self.target_cost: CostModel | None = None  # set by calibrate()
@@ -71,15 +120,20 @@ class AutoProposer(Proposer):
         alone where the model has no head."""
         ngram = NgramProposer.build(ctx)
         try:
+            suffix = SuffixProposer.build(ctx)
+        except SuffixUnavailable as exc:
+            logger.warning("speculation auto: without suffix decoding (%s)", exc)
+            suffix = None
+        try:
             resolve_head_dir(ctx.config.speculative.draft_model, ctx.config.model)
         except HeadError as exc:
-            logger.info("speculation auto: n-gram only (%s)", exc)
-            return cls(None, ngram)
+            logger.info("speculation auto: no draft head (%s)", exc)
+            return cls(None, ngram, suffix=suffix)
         head = EagleProposer.build(ctx)
         # The head's held-out first-position acceptance is the best prior for its drafts.
         report = head.head.cfg.target.get("report") or {}
         accept = (report.get("acceptance_per_position") or [None])[0]
-        return cls(head, ngram, head_prior=accept) if accept else cls(head, ngram)
+        return cls(head, ngram, head_prior=accept or HEAD_PRIOR, suffix=suffix)
 
     def calibrate(self, target_cost: CostModel, max_pass_tokens: int) -> None:
         if self.head is not None:
@@ -109,6 +163,8 @@ class AutoProposer(Proposer):
         self._seqs.pop(seq.request_id, None)
         if self.head is not None:
             self.head.release(seq)
+        if self.suffix is not None:
+            self.suffix.release(seq)
 
     def on_commit(self, seq: Sequence) -> None:
         choice = self._seqs.get(seq.request_id)
@@ -116,7 +172,10 @@ class AutoProposer(Proposer):
             return
         drafted = seq.stats.drafted - choice.last_drafted
         accepted = seq.stats.accepted - choice.last_accepted
-        getattr(choice, choice.last_method).record(drafted, accepted, DECAY)
+        if choice.last_method == "suffix":
+            choice.suffix.record(choice.last_expected, accepted)
+        else:
+            getattr(choice, choice.last_method).record(drafted, accepted, DECAY)
         choice.last_method = ""
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -137,7 +196,15 @@ class AutoProposer(Proposer):
             head_rate, head_m = (
                 self._best(choice.head.estimate(self.head_prior, PRIOR_WEIGHT), k, head=True) if self.head is not None else (0.0, 0)
             )
-            if head_m and head_rate > plain and head_rate > ngram_rate:
+            suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
+            suffix_rate, suffix_m = (
+                best_cut(suffix_draft.chances, choice.suffix.factor(), self.target_cost) if suffix_draft.tokens else (0.0, 0)
+            )
+            if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
+                chances = suffix_draft.chances[:suffix_m]
+                drafts[i] = Draft(suffix_draft.tokens[:suffix_m], None, "suffix", chances=chances)
+                choice.last_method, choice.last_expected = "suffix", sum(chances)
+            elif head_m and head_rate > plain and head_rate > ngram_rate:
                 # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
                 # up to k; without it, at the length best for the sequence's acceptance so far.
                 head_ks[i] = k if self.head.target_cost is not None else head_m
