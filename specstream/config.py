@@ -28,6 +28,9 @@ class SpeculativeConfig:
     measured cost of verification; False drafts k_max whenever a proposal exists.
     forced_drafts: draft the tokens a request's grammar forces (structured outputs), on
     top of k and whatever the method ("off" included).
+    tree_drafts: where a proposer has several continuations (suffix decoding), verify them as one tree of
+    drafts in one forward, accepting the longest path the target agrees with (models whose attention is
+    all full-context; elsewhere, and for requests under a grammar, the likeliest path as a chain).
     suffix_*: suffix decoding's (method "suffix", and auto's) tree depth (the longest match plus draft),
     longest draft per token of match, least estimated chance of a draft token, and the earlier requests
     whose outputs the global cache keeps (oldest dropped first; 0 keeps none).
@@ -41,6 +44,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     adaptive: bool = True
     forced_drafts: bool = True  # [structured]
+    tree_drafts: bool = True
     suffix_max_depth: int = 24
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1

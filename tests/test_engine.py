@@ -186,6 +186,14 @@ def test_default_model_ngram_greedy_equals_plain_batched():
     assert [o.token_ids for o in got] == want
     assert "Paris" in got[1].text
     assert sum(o.stats.accepted for o in got) > 0
+    # Suffix decoding's trees through the compiled steps: the second time, the global cache drafts whole answers.
+    suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=8, adaptive=False, suffix_min_token_prob=0.0)
+    trees = Engine(EngineConfig(**config, speculative=suffix), log=False)
+    assert trees.proposer.trees
+    for _ in range(2):
+        got = trees.generate(prompts, params)
+        assert [o.token_ids for o in got] == want
+    assert sum(o.stats.accepted for o in got) > 0.7 * sum(len(o.token_ids) for o in got)
 
 
 def test_logprobs_match_the_reference_model_with_and_without_speculation(tiny_model_dir, plain):

@@ -111,7 +111,8 @@ class EngineBuilder:
         background = config.compile_in_background and config.compile and not config.deterministic
         forward = "eager (compiling in the background)" if background else self.compile(runner)
         resident.mark("compile")
-        ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions)
+        trees = spec.tree_drafts and not pool.windowed  # tree masks are built for full-context layers
+        ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions, trees)
         proposer = make_proposer(ctx)
         resident.mark("proposer")
         # [structured] grammars, forced drafts, masks; a proposer's own logits are masked too

@@ -57,12 +57,7 @@ def _usage(seq: Sequence) -> Usage:
 
 
 def _cut(draft: Draft, k: int) -> Draft:
-    return Draft(
-        draft.tokens[:k],
-        None if draft.probs is None else draft.probs[:k],
-        draft.method,
-        chances=None if draft.chances is None else draft.chances[:k],
-    )
+    return draft.cut(k)
 
 
 class Engine:
@@ -216,7 +211,7 @@ class Engine:
         rows = aux.split([len(item.tokens) for item in items])
         for i, seq in enumerate(decodes):
             if not isinstance(results[i], Exception):
-                self._observe(seq, items[i].start, rows[i][: 1 + results[i].num_accepted])
+                self._observe(seq, items[i].start, rows[i][results[i].rows()])
         for j, (seq, _) in enumerate(prefills, start=len(decodes)):
             self._observe(seq, items[j].start, rows[j])
 
@@ -253,6 +248,9 @@ class Engine:
         """[structured] Grammar-forced tokens lead constrained drafts, and drafts are cut to what the
         grammar accepts; where that fails, sequence by sequence, so a failure stays with its request."""
         lookup, reserve = self.proposer.lookup, self._reserve_drafts
+        # [structured] a grammar's masks follow one path: a constrained sequence's tree is cut to its likeliest
+        drafts = [d.main_chain() if d.is_tree and s.constraint is not None and s.constraint.matcher is not None else d
+                  for s, d in zip(seqs, drafts)]
         try:
             return seqs, self.structured.drafts(seqs, ks, drafts, lookup, reserve, spare), []
         except Exception:  # noqa: BLE001 - find the sequence it belongs to
@@ -308,7 +306,13 @@ class Engine:
         (logits for all of them), then each prefill chunk (logits for its last token only
         when the chunk completes the prompt)."""
         items = [
-            ForwardItem(s.block_table, s.num_cached, [s.token_ids[-1]] + d.tokens, 1 + len(d.tokens))
+            ForwardItem(
+                s.block_table,
+                s.num_cached,
+                [s.token_ids[-1]] + d.tokens,
+                1 + len(d.tokens),
+                [-1] + [p + 1 for p in d.parents] if d.is_tree else None,  # row 0 is the tree's root
+            )
             for s, d in zip(decodes, drafts)
         ]
         for seq, n in prefills:
@@ -349,7 +353,10 @@ class Engine:
         seq = rnd.seq
         if decoding:
             # The last token and the accepted drafts now have KV; the rejected ones' slots
-            # are simply past the length.
+            # are simply past the length. [trees] The accepted path's KV moves to follow the last token.
+            start = seq.num_cached + 1
+            if result.path is not None and result.path != list(range(len(result.path))):
+                self.pool.move(seq.block_table, [start + j for j in result.path], list(range(start, start + len(result.path))))
             seq.num_cached += 1 + result.num_accepted
         tokens = self.structured.commit(seq, result.tokens)  # [structured] a refused token fails this request alone
         new = self._append(seq, tokens)
@@ -358,7 +365,8 @@ class Engine:
         accepted = min(result.num_accepted, len(new))
         forced = rnd.draft.num_forced
         self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced)
-        chunk = self._chunk(seq, new, rnd.k, accepted, rnd.logits, forced, rnd.draft.method if rnd.k else "")
+        logits = rnd.logits if result.path is None else rnd.logits[result.rows()]  # the emitted tokens' rows
+        chunk = self._chunk(seq, new, rnd.k, accepted, logits, forced, rnd.draft.method if rnd.k else "")
         if seq.finish_reason is not None:
             self._finish(seq)
         else:

@@ -85,8 +85,8 @@ def _load() -> ctypes.CDLL | None:
             lib.sst_num_nodes.argtypes, lib.sst_num_nodes.restype = [ctypes.c_void_p], ctypes.c_int64
             lib.sst_count.argtypes, lib.sst_count.restype = [ctypes.c_void_p, _i32p, ctypes.c_int], ctypes.c_int64
             lib.sst_speculate.argtypes = [
-                ctypes.c_void_p, _i32p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, _i32p, _f32p,
-                ctypes.POINTER(ctypes.c_int),
+                ctypes.c_void_p, _i32p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                _i32p, _i32p, _f32p, ctypes.POINTER(ctypes.c_int),
             ]
             lib.sst_speculate.restype = ctypes.c_int
             _lib = lib
@@ -122,6 +122,7 @@ class SuffixTree:
         if not self._handle:
             raise MemoryError("could not create a suffix tree")
         self._out_tokens = (ctypes.c_int32 * MAX_DRAFT)()
+        self._out_parents = (ctypes.c_int32 * MAX_DRAFT)()
         self._out_probs = (ctypes.c_float * MAX_DRAFT)()
         self._out_match = ctypes.c_int(0)
 
@@ -161,13 +162,24 @@ class SuffixTree:
         self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float
     ) -> tuple[list[int], list[float], int]:
         """(draft tokens, each one's estimated chance of being how the text goes on, match length) for the
-        context's last tokens: the best draft over every match length, by the sum of its chances."""
+        context's last tokens: the best path over every match length, by the sum of its chances."""
+        tokens, _, chances, match = self._speculate(context, max_tokens, max_spec_factor, min_token_prob, False)
+        return tokens, chances, match
+
+    def speculate_tree(
+        self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> tuple[list[int], list[int], list[float], int]:
+        """(tokens, parents, chances, match length): the best tree, grown best first, so that each token comes
+        after its parent (parents[i]: an earlier index, or -1 for a token that follows the context)."""
+        return self._speculate(context, max_tokens, max_spec_factor, min_token_prob, True)
+
+    def _speculate(self, context, max_tokens, factor, min_prob, tree):
         ctx = context[-self.max_depth :]
         arr, ptr = _tokens(ctx)
         n = self._lib.sst_speculate(
-            self._handle, ptr, len(arr), min(max_tokens, MAX_DRAFT), max_spec_factor, min_token_prob,
-            self._out_tokens, self._out_probs, ctypes.byref(self._out_match),
+            self._handle, ptr, len(arr), min(max_tokens, MAX_DRAFT), factor, min_prob, int(tree),
+            self._out_tokens, self._out_parents, self._out_probs, ctypes.byref(self._out_match),
         )
         if n < 0:
             raise MemoryError("the suffix tree ran out of memory while speculating")
-        return list(self._out_tokens[:n]), list(self._out_probs[:n]), int(self._out_match.value)
+        return list(self._out_tokens[:n]), list(self._out_parents[:n]), list(self._out_probs[:n]), int(self._out_match.value)

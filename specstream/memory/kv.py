@@ -248,6 +248,20 @@ class KVPool:
                 if block != NO_BLOCK:
                     self.blocks.release(block)
 
+    def move(self, table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the KV of positions src to positions dst of the sequence owning table, in every layer (an
+        accepted path of a draft tree into the positions that follow the prefix). All sources are read
+        before any destination is written."""
+        if not src:
+            return
+        end = max(max(src), max(dst)) + 1
+        for g, group in enumerate(self.groups):
+            slots = self.slots(table, 0, end, g)
+            s, d = slots[src].to(self.device), slots[dst].to(self.device)
+            for layer in group.layers:
+                for cache in (self.keys[layer], self.values[layer]):
+                    cache.index_copy_(0, d, cache.index_select(0, s))
+
     def slots(self, table: list[int], start: int, end: int, group: int = 0) -> torch.Tensor:
         """Slot indices of positions [start, end) of the sequence owning table, in `group`'s
         blocks. Positions a windowed group dropped map to slot 0: no query reads them."""

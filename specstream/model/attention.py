@@ -70,6 +70,9 @@ class AttentionGroup:
     out_index: torch.Tensor  # [n]: row of each of the group's tokens in the flattened [B * T_max] output
     rows: torch.Tensor  # [n]: the packed rows of the group's tokens, in out_index's order
     q_pos: torch.Tensor  # [B, T_max]: position of each query row (padding rows continue past the end)
+    # [trees] [B, 1, T_max, S_max]: what each query row sees of a full-context layer's keys, where a
+    # sequence's new tokens are a draft tree (each row sees the cached prefix and its own ancestors)
+    tree_mask: torch.Tensor | None = None
     views: dict[tuple, KeyView] = field(default_factory=dict)  # by (layer group, window), built on first use
 
     @property
@@ -78,6 +81,11 @@ class AttentionGroup:
 
     def key_view(self, window: int | None, always_mask: bool, kv_group: int = 0) -> KeyView:
         view = self.views.get((kv_group, window))
+        if view is None and self.tree_mask is not None:
+            if window is not None:
+                raise UnsupportedAttentionError("draft trees need full-context attention (this layer attends a window)")
+            view = KeyView(self.kv_indexes[kv_group], self.tree_mask)
+            self.views[kv_group, window] = view
         if view is None:
             view = build_key_view(self.kv_indexes[kv_group], self.q_pos, window, always_mask)
             self.views[kv_group, window] = view

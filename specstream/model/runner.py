@@ -72,6 +72,28 @@ class ForwardItem:
     start: int  # positions already in the cache
     tokens: list[int]  # new tokens, fed at positions start, start + 1, ...
     num_logits: int  # logits wanted for the last num_logits new tokens
+    # [trees] each new token's parent among them (-1 for the first, which follows the cached prefix): the
+    # token sits at position start + its depth and sees the prefix and its own ancestors only; its KV still
+    # goes to the slot of position start + its index (the engine moves an accepted path's KV into place)
+    parents: list[int] | None = None
+
+    def positions(self) -> torch.Tensor:
+        if self.parents is None:
+            return torch.arange(self.start, self.start + len(self.tokens))
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return self.start + torch.tensor(depth, dtype=torch.long)
+
+    def ancestry(self) -> torch.Tensor:
+        """[trees] [n, n] bool: row i sees token j (j is i or one of its ancestors)."""
+        n = len(self.tokens)
+        seen = torch.zeros((n, n), dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                seen[i] = seen[p]
+            seen[i, i] = True
+        return seen
 
 
 class ModelRunner:
@@ -268,7 +290,7 @@ def pack(
     for item in items:
         n, end = len(item.tokens), item.start + len(item.tokens)
         input_ids.extend(item.tokens)
-        positions.append(torch.arange(item.start, end))
+        positions.append(item.positions())
         for g in range(num_groups):
             all_slots = pool.slots(item.table, 0, end, g)
             slot_maps[g].append(all_slots[item.start :])
@@ -284,10 +306,7 @@ def pack(
     members = [g for g in (short, long) if g]
     if len(members) == 2 and len(long) * len(short) <= 1:
         members = [list(range(len(items)))]  # nothing to gain from splitting
-    groups = [
-        _group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i].start for i in m], q_tile, dev)
-        for m in members
-    ]
+    groups = [_group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i] for i in m], q_tile, dev) for m in members]
     slot_mappings = [torch.cat(maps).to(dev) for maps in slot_maps]
     ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
     keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
@@ -295,10 +314,12 @@ def pack(
 
 
 def _group(
-    kv_slots: list[list[torch.Tensor]], q_rows: list[torch.Tensor], starts: list[int], q_tile: int, dev
+    kv_slots: list[list[torch.Tensor]], q_rows: list[torch.Tensor], items: list[ForwardItem], q_tile: int, dev
 ) -> AttentionGroup:
     """The padded attention layout of some of a step's sequences (kv_slots: per KV layer group, each
-    sequence's slots)."""
+    sequence's slots). A group holding a draft tree gets its full-context mask here: causal by position,
+    and within each tree's own rows, its ancestry."""
+    starts = [item.start for item in items]
     batch = len(q_rows)
     t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots[0])
     if q_tile:
@@ -316,10 +337,23 @@ def _group(
     for i, rows in enumerate(q_rows):
         q_index[i, : len(rows)] = rows
     out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
+    q_pos = torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]
+    tree_mask = None
+    if any(item.parents is not None for item in items):
+        for i, item in enumerate(items):
+            if item.parents is not None:
+                q_pos[i, : len(item.tokens)] = item.positions()
+        tree_mask = torch.arange(s_max)[None, None, :] <= q_pos[:, :, None]  # [B, T_max, S_max]
+        for i, item in enumerate(items):
+            if item.parents is not None:
+                n = len(item.tokens)
+                tree_mask[i, :n, item.start : item.start + n] = item.ancestry()
+        tree_mask = tree_mask[:, None].to(dev)
     return AttentionGroup(
         kv_indexes=kv_indexes,
         q_index=q_index.to(dev),
         out_index=out_index.to(dev),
         rows=torch.cat(q_rows).to(dev),
-        q_pos=(torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]).to(dev),
+        q_pos=q_pos.to(dev),
+        tree_mask=tree_mask,
     )

@@ -19,10 +19,12 @@ own acceptance, and charges auto's drafts no head step (the head's steps are pri
 auto drafts at least what "ngram" does, and differs only where the head is expected to do better.
 
 Suffix decoding (suffix.py) drafts with an estimated chance for each token (how often the matched text
-went on that way before). Its round is priced from those chances, scaled by how well they have
-predicted this sequence's acceptance so far (a decayed ratio of accepted drafts to the chances' sum,
-starting at 1): verifying its first m drafts is expected to emit 1 + f * (c_1 + ... + c_m) tokens, and
-it is cut at the m with the best rate. It is picked where that rate beats the others' (and plain
+went on that way before: the chance that the token is reached and accepted). Its round is priced from
+those chances, scaled by how well they have predicted this sequence's acceptance so far (a decayed
+ratio of accepted drafts to the chances' sum, starting at 1): verifying its first m drafts is expected
+to emit 1 + f * (c_1 + ... + c_m) tokens (for a tree too: a node is accepted exactly when the path to
+it is, so the expected accepted length is the sum of its nodes' chances), and it is cut at the m with
+the best rate: a tree's first m nodes, grown best first, are its likeliest. It is picked where that rate beats the others' (and plain
 decoding's); where the suffix tree cannot be built here, auto goes on without it.
 """
 
@@ -201,9 +203,8 @@ class AutoProposer(Proposer):
                 best_cut(suffix_draft.chances, choice.suffix.factor(), self.target_cost) if suffix_draft.tokens else (0.0, 0)
             )
             if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
-                chances = suffix_draft.chances[:suffix_m]
-                drafts[i] = Draft(suffix_draft.tokens[:suffix_m], None, "suffix", chances=chances)
-                choice.last_method, choice.last_expected = "suffix", sum(chances)
+                drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
+                choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
             elif head_m and head_rate > plain and head_rate > ngram_rate:
                 # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
                 # up to k; without it, at the length best for the sequence's acceptance so far.

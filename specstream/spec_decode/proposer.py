@@ -30,12 +30,58 @@ DraftMask = Callable[[torch.Tensor, list[Sequence], list[list[int]]], torch.Tens
 
 @dataclass
 class Draft:
+    """A sequence's drafts for one round: a chain (each token follows the one before), or a tree (parents:
+    each token's parent, an earlier index, or -1 for a token that follows the sequence's last token; a
+    chain is the tree whose parents are -1, 0, 1, ...). A tree is verified in one forward, each of its
+    rows seeing only its own ancestors (attention.py), and the longest path the target agrees with is
+    accepted (verify.py). Trees carry one-hot proposals only (probs None)."""
+
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
     method: str = ""  # which proposer made it (a metrics label)
     num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
     # Each token's estimated chance of being reached and accepted, where the proposer has one (suffix).
     chances: list[float] | None = None
+    parents: list[int] | None = None  # None: a chain
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError("a draft tree's parents must each be -1 or an earlier token's index")
+            if self.probs is not None:
+                raise ValueError("draft trees carry one-hot proposals only")
+            if all(p == i - 1 for i, p in enumerate(self.parents)):
+                self.parents = None  # a chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def cut(self, k: int) -> Draft:
+        """The first k tokens (a tree's first k nodes keep their parents: every node follows its parent)."""
+        if k >= len(self.tokens):
+            return self
+        return Draft(
+            self.tokens[:k],
+            None if self.probs is None else self.probs[:k],
+            self.method,
+            self.num_forced,
+            None if self.chances is None else self.chances[:k],
+            None if self.parents is None else self.parents[:k],
+        )
+
+    def main_chain(self) -> Draft:
+        """A tree's first path (each node's first child, in the draft's order: its likeliest, for a tree grown
+        best first), as a chain; a chain as it is."""
+        if self.parents is None:
+            return self
+        path, node = [], -1
+        for i, p in enumerate(self.parents):
+            if p == node:
+                path.append(i)
+                node = i
+        chances = None if self.chances is None else [self.chances[i] for i in path]
+        return Draft([self.tokens[i] for i in path], None, self.method, self.num_forced, chances)
 
 
 @dataclass
@@ -49,6 +95,7 @@ class ProposerContext:
     dtype: torch.dtype
     device: torch.device
     pool_positions: int  # positions one sequence may take in a proposer's own KV pool (as in the target's)
+    trees: bool = False  # whether drafts may be trees (Draft.parents): the target's attention verifies them
 
 
 class Proposer:

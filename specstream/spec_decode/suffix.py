@@ -69,9 +69,12 @@ class GlobalSuffixCache:
         if not self._held[salt]:
             del self._trees[salt], self._held[salt]
 
-    def speculate(self, salt: str | None, context: list[int], k: int, factor: float, min_prob: float):
-        tree = self._trees.get(salt)
-        return tree.speculate(context, k, factor, min_prob) if tree is not None else ([], [], 0)
+    def speculate(self, salt: str | None, context: list[int], k: int, factor: float, min_prob: float, tree: bool = False):
+        """The cache's best draft for salt's requests: as SuffixTree.speculate, or speculate_tree with tree."""
+        held = self._trees.get(salt)
+        if held is None:
+            return ([], [], [], 0) if tree else ([], [], 0)
+        return held.speculate_tree(context, k, factor, min_prob) if tree else held.speculate(context, k, factor, min_prob)
 
     @property
     def num_nodes(self) -> int:
@@ -94,6 +97,7 @@ class SuffixProposer(Proposer):
         max_cached_requests: int = 256,
         prompt_tokens: int = 4096,
         cached_tokens: int = 1024,
+        trees: bool = False,
     ) -> None:
         if not available():
             raise SuffixUnavailable(f"suffix decoding needs its C++ suffix tree, which could not be built: {unavailable_reason()}")
@@ -101,6 +105,7 @@ class SuffixProposer(Proposer):
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.prompt_tokens = prompt_tokens
+        self.trees = trees
         self.cache = GlobalSuffixCache(max_depth, max_cached_requests, cached_tokens)
         self._local: dict[str, _Local] = {}
 
@@ -112,6 +117,7 @@ class SuffixProposer(Proposer):
             spec.suffix_max_spec_factor,
             spec.suffix_min_token_prob,
             spec.suffix_max_cached_requests,
+            trees=ctx.trees,
         )
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
@@ -122,13 +128,21 @@ class SuffixProposer(Proposer):
         return [self.draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
 
     def draft(self, seq: Sequence, k: int) -> Draft:
-        """The better of the request's own tree's draft and the global cache's, up to k tokens."""
+        """The better of the request's own tree's draft and the global cache's (by the sum of chances: the
+        expected accepted tokens), up to k tokens; a tree where trees are verified here."""
         context = seq.token_ids[-self.max_depth :]
         local = self._sync(seq)
-        mine = local.tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
-        earlier = self.cache.speculate(seq.cache_salt, context, k, self.max_spec_factor, self.min_token_prob)
-        tokens, chances, _ = max(mine, earlier, key=lambda d: sum(d[1]))
-        return Draft(tokens, None, "suffix", chances=chances) if tokens else Draft([])
+        args = (context, k, self.max_spec_factor, self.min_token_prob)
+        mine = local.tree.speculate_tree(*args) if self.trees else local.tree.speculate(*args)
+        earlier = self.cache.speculate(seq.cache_salt, *args, tree=self.trees)
+        best = max(mine, earlier, key=lambda d: sum(d[-2]))
+        if not best[0]:
+            return Draft([])
+        if self.trees:
+            tokens, parents, chances, _ = best
+            return Draft(tokens, None, "suffix", chances=chances, parents=parents)
+        tokens, chances, _ = best
+        return Draft(tokens, None, "suffix", chances=chances)
 
     def _sync(self, seq: Sequence) -> _Local:
         """The request's tree, holding its prompt's last tokens and everything after them."""

@@ -16,6 +16,14 @@ the target's. A deterministic proposer (n-gram) has q_i = one-hot(d_i): acceptin
 probability p_i(d_i) and recovering from p_i without d_i is the same as drawing y_i ~ p_i
 and accepting while y_i == d_i, which is how it is computed here, so that a seeded request
 samples the same tokens whether or not drafts were offered.
+
+Trees (Draft.parents): row 0 is the target after the sequence's last token, row j + 1 after draft j
+(having seen only draft j's ancestors). From row 0, the target's own token at the row (its argmax, or
+for a sampled request a draw from p with the uniform of the output position the row decides) is looked
+up among the row's children; the walk goes down while one matches, and the token that matched none is
+emitted last. A one-hot proposal accepted this way is the multi-draft rejection sampler (SpecInfer)
+with deterministic drafts: every emitted token is a draw from the target's own distribution, the very
+draw plain decoding would make, so greedy and seeded output equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -97,6 +105,13 @@ class Round:
 class RoundResult:
     num_accepted: int  # drafts the target kept
     tokens: list[int]  # to emit: the accepted drafts, then the recovered or bonus token
+    path: list[int] | None = None  # [trees] the accepted drafts' indices, root first (None: the first num_accepted)
+
+    def rows(self) -> list[int]:
+        """The round's logits rows of the emitted tokens: row 0, then the row after each accepted draft."""
+        if self.path is None:
+            return list(range(self.num_accepted + 1))
+        return [0] + [j + 1 for j in self.path]
 
 
 def verify_round(rounds: list[Round]) -> list[RoundResult]:
@@ -104,12 +119,15 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
     target's argmax, sampled rows by matching a sample (one-hot proposals) or by rejection
     sampling (proposals with known q)."""
     logits = [_penalize(r) for r in rounds]
-    greedy = [i for i, r in enumerate(rounds) if r.seq.params.greedy]
+    trees = {i for i, r in enumerate(rounds) if r.draft.is_tree}
+    greedy = [i for i, r in enumerate(rounds) if r.seq.params.greedy and i not in trees]
     sampled = [i for i, r in enumerate(rounds) if not r.seq.params.greedy]
     probs = dict(zip(sampled, _probabilities([rounds[i] for i in sampled], [logits[i] for i in sampled])))
-    with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k]
-    one_hot = [i for i in sampled if i not in with_q]
+    with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k and i not in trees]
+    one_hot = [i for i in sampled if i not in with_q and i not in trees]
     results: list[RoundResult | None] = [None] * len(rounds)
+    for i in sorted(trees):
+        results[i] = _verify_tree(rounds[i], logits[i] if rounds[i].seq.params.greedy else probs[i])
     for idx, verify, inputs in (
         (greedy, _verify_greedy, logits),
         (one_hot, _verify_one_hot, probs),
@@ -132,8 +150,16 @@ def _penalize(r: Round) -> torch.Tensor:
     rows, vocab, device = r.logits.shape[0], r.logits.shape[-1], r.logits.device
     counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
     counts = counts.to(device=device, dtype=r.logits.dtype).expand(rows, -1).clone()
-    for i, tok in enumerate(r.draft.tokens):
-        counts[i + 1 :, tok] += 1
+    if r.draft.is_tree:
+        # Row j + 1 follows draft j and its ancestors: it counts them as generated.
+        for j in range(r.k):
+            a = j
+            while a >= 0:
+                counts[j + 1, r.draft.tokens[a]] += 1
+                a = r.draft.parents[a]
+    else:
+        for i, tok in enumerate(r.draft.tokens):
+            counts[i + 1 :, tok] += 1
     presence = torch.full((rows,), p.presence_penalty, device=device)
     frequency = torch.full((rows,), p.frequency_penalty, device=device)
     return apply_penalties(r.logits, counts, presence, frequency)
@@ -146,6 +172,36 @@ def _probabilities(rounds: list[Round], logits: list[torch.Tensor]) -> list[torc
     sizes = [x.shape[0] for x in logits]
     row_params = [r.seq.params for r, n in zip(rounds, sizes) for _ in range(n)]
     return list(probabilities_for(torch.cat(logits), row_params).split(sizes))
+
+
+def draft_depths(parents: list[int]) -> list[int]:
+    """Each draft's depth: 1 for a token that follows the sequence's last token, its parent's + 1 below."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
+    """Walk a draft tree from its root while the target's own token at a row is one of the row's children.
+    rows: the round's penalized logits (greedy) or probabilities (sampled), [k + 1, V]."""
+    parents = r.draft.parents
+    if r.seq.params.greedy:
+        choice = rows.argmax(-1).tolist()
+    else:
+        # Row 0 decides the next output position; row j + 1 the one after draft j's depth.
+        depth = [0] + draft_depths(parents)
+        pos = r.seq.num_output_tokens
+        us = torch.tensor([uniform(r.seq.seed, pos + d, STREAM_SAMPLE) for d in depth], dtype=torch.float64, device=rows.device)
+        choice = sample_from(rows, us).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for j, (tok, p) in enumerate(zip(r.draft.tokens, parents)):
+        children.setdefault(p + 1, {}).setdefault(tok, j)
+    path, row = [], 0
+    while (j := children.get(row, {}).get(choice[row])) is not None:
+        path.append(j)
+        row = j + 1
+    return RoundResult(len(path), [r.draft.tokens[j] for j in path] + [choice[row]], path)
 
 
 def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

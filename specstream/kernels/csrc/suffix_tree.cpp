@@ -6,11 +6,12 @@
 // substrings' counts are taken back and nodes that reach zero are freed), so a bounded cache of
 // earlier requests can drop its oldest.
 //
-// speculate() finds where the context's last tokens occur and continues from there along the most
-// frequent children, each draft token with the estimated chance that the text goes on that way
-// (child count over parent count, multiplied along the path). As in SuffixDecoding (Oliaro et al.), every
-// match length is tried and the draft with the largest sum of chances is kept, and a draft may be at most
-// max_spec_factor times its match length long: a long match earns a long draft.
+// speculate() finds where the context's last tokens occur and continues from there, along the most
+// frequent children (a path) or best first over all of them (a tree), each draft token with the estimated
+// chance that the text goes on that way (child count over parent count, multiplied along the path). As in
+// SuffixDecoding (Oliaro et al.), every match length is tried and the draft with the largest sum of chances
+// is kept (the expected number of accepted tokens), and a draft may be at most max_spec_factor times its
+// match length long: a long match earns a long draft.
 //
 // Nodes live in one vector and name each other by index; a node's children are a singly linked list
 // (first_child, next_sibling) for walking, and one hash map from (parent, token) finds a child. No path
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <new>
+#include <queue>
 #include <unordered_map>
 #include <vector>
 
@@ -93,13 +95,16 @@ public:
         return n ? nodes_[node].count : nodes_[0].count;
     }
 
-    // The best draft over every match length: tokens, each token's estimated chance, the match length.
-    int speculate(const int32_t* ctx, int n, int max_tokens, float factor, float min_prob, int32_t* out_tokens,
-                  float* out_probs, int* out_match) const {
+    // The best draft over every match length: tokens, each token's parent (-1: the context's end), each
+    // token's estimated chance, the match length. A path follows the most frequent child at each step; a
+    // tree grows best first (the likeliest node not yet taken, among the children of those taken), so
+    // every node comes after its parent.
+    int speculate(const int32_t* ctx, int n, int max_tokens, float factor, float min_prob, bool tree,
+                  int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) const {
         int best_len = 0;
         float best_score = 0.0f;
         *out_match = 0;
-        std::vector<int32_t> tokens;
+        std::vector<int32_t> tokens, parents;
         std::vector<float> probs;
         const int longest = std::min(n, max_depth_);
         for (int len = 1; len <= longest; len++) {
@@ -108,22 +113,15 @@ public:
             if (node < 0) break;  // a longer suffix cannot occur where this one does not
             const int cap = std::min(max_tokens, static_cast<int>(len * factor + 1e-6f));
             tokens.clear();
+            parents.clear();
             probs.clear();
-            float prob = 1.0f, score = 0.0f;
-            while (static_cast<int>(tokens.size()) < cap) {
-                const int32_t next = most_frequent_child(node);
-                if (next < 0 || nodes_[node].count <= 0) break;
-                prob *= static_cast<float>(nodes_[next].count) / static_cast<float>(nodes_[node].count);
-                if (prob < min_prob) break;
-                tokens.push_back(nodes_[next].token);
-                probs.push_back(prob);
-                score += prob;
-                node = next;
-            }
+            const float score = tree ? grow_tree(node, cap, min_prob, tokens, parents, probs)
+                                     : follow_path(node, cap, min_prob, tokens, parents, probs);
             if (!tokens.empty() && score >= best_score) {
                 best_score = score;
                 best_len = static_cast<int>(tokens.size());
                 std::copy(tokens.begin(), tokens.end(), out_tokens);
+                std::copy(parents.begin(), parents.end(), out_parents);
                 std::copy(probs.begin(), probs.end(), out_probs);
                 *out_match = len;
             }
@@ -186,6 +184,59 @@ private:
         free_.push_back(id);
     }
 
+    float follow_path(int32_t node, int cap, float min_prob, std::vector<int32_t>& tokens, std::vector<int32_t>& parents,
+                      std::vector<float>& probs) const {
+        float prob = 1.0f, score = 0.0f;
+        while (static_cast<int>(tokens.size()) < cap) {
+            const int32_t next = most_frequent_child(node);
+            if (next < 0 || nodes_[node].count <= 0) break;
+            prob *= static_cast<float>(nodes_[next].count) / static_cast<float>(nodes_[node].count);
+            if (prob < min_prob) break;
+            parents.push_back(static_cast<int32_t>(tokens.size()) - 1);
+            tokens.push_back(nodes_[next].token);
+            probs.push_back(prob);
+            score += prob;
+            node = next;
+        }
+        return score;
+    }
+
+    struct Candidate {
+        float prob;
+        int32_t node;
+        int32_t parent;  // index in the draft (-1: the context's end)
+        bool operator<(const Candidate& o) const {
+            if (prob != o.prob) return prob < o.prob;
+            return node > o.node;  // ties: the older node first, so the order does not depend on the heap
+        }
+    };
+
+    float grow_tree(int32_t node, int cap, float min_prob, std::vector<int32_t>& tokens, std::vector<int32_t>& parents,
+                    std::vector<float>& probs) const {
+        std::priority_queue<Candidate> heap;
+        auto push_children = [&](int32_t from, float prob, int32_t index) {
+            const float total = static_cast<float>(nodes_[from].count);
+            if (total <= 0) return;
+            for (int32_t c = nodes_[from].first_child; c >= 0; c = nodes_[c].next_sibling) {
+                const float p = prob * static_cast<float>(nodes_[c].count) / total;
+                if (p >= min_prob && p > 0) heap.push(Candidate{p, c, index});
+            }
+        };
+        push_children(node, 1.0f, -1);
+        float score = 0.0f;
+        while (!heap.empty() && static_cast<int>(tokens.size()) < cap) {
+            const Candidate best = heap.top();
+            heap.pop();
+            const int32_t index = static_cast<int32_t>(tokens.size());
+            tokens.push_back(nodes_[best.node].token);
+            parents.push_back(best.parent);
+            probs.push_back(best.prob);
+            score += best.prob;
+            push_children(best.node, best.prob, index);
+        }
+        return score;
+    }
+
     int32_t most_frequent_child(int32_t node) const {
         int32_t best = -1;
         int64_t best_count = 0;
@@ -245,10 +296,12 @@ int64_t sst_num_nodes(void* tree) { return static_cast<Tree*>(tree)->num_nodes()
 int64_t sst_count(void* tree, const int32_t* path, int n) { return static_cast<Tree*>(tree)->count(path, n); }
 
 // The number of draft tokens written to out_tokens/out_probs (at most max_tokens), or -1 on failure.
-int sst_speculate(void* tree, const int32_t* ctx, int n, int max_tokens, float factor, float min_prob,
-                  int32_t* out_tokens, float* out_probs, int* out_match) {
+// tree: grow a tree (out_parents: each token's parent in the draft, -1 for the context's end) rather than a path.
+int sst_speculate(void* tree, const int32_t* ctx, int n, int max_tokens, float factor, float min_prob, int as_tree,
+                  int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) {
     try {
-        return static_cast<Tree*>(tree)->speculate(ctx, n, max_tokens, factor, min_prob, out_tokens, out_probs, out_match);
+        return static_cast<Tree*>(tree)->speculate(ctx, n, max_tokens, factor, min_prob, as_tree != 0, out_tokens,
+                                                   out_parents, out_probs, out_match);
     } catch (...) {
         return -1;
     }

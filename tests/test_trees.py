@@ -1,0 +1,218 @@
+"""Draft trees: one forward verifies every branch (each row sees the prefix and its own ancestors), the walk
+accepts the longest path the target agrees with (greedy, and sampled: exactly plain decoding's draws), the
+accepted path's KV is moved into place, and the engine's output equals plain decoding's."""
+
+import pytest
+import torch
+
+from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.memory.kv import KVPool
+from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
+from specstream.model.loader import load_model, resolve_model
+from specstream.model.runner import ForwardItem, ModelRunner
+from specstream.sampling import STREAM_SAMPLE, sample_from, uniform
+from specstream.sequence import Sequence
+from specstream.spec_decode.proposer import Draft, Proposer
+from specstream.spec_decode.verify import Round, _penalize, draft_depths, verify_round
+
+# A tree over the root r (the sequence's last token): r -> 11 -> 12 -> 13, r -> 11 -> 14, r -> 15 -> 16.
+TOKENS = [11, 15, 12, 14, 16, 13]
+PARENTS = [-1, -1, 0, 0, 1, 2]
+PATHS = {0: [0], 1: [1], 2: [0, 2], 3: [0, 3], 4: [1, 4], 5: [0, 2, 5]}  # each draft's path from the root
+
+
+def runner_for(model_dir, tile=0):
+    source = resolve_model(str(model_dir))
+    model = load_model(source, attn_implementation=ATTN_IMPLEMENTATION)
+    pool = KVPool(*model_geometry(model.config), 512, 8, torch.float32, "cpu")
+    return ModelRunner(model, pool, tile=tile), pool
+
+
+def test_draft_validation_and_helpers():
+    with pytest.raises(ValueError, match="parents"):
+        Draft([1, 2], parents=[-1, 1])
+    assert Draft([1, 2, 3], parents=[-1, 0, 1]).parents is None  # a chain is not a tree
+    tree = Draft(TOKENS, parents=PARENTS, chances=[0.9, 0.5, 0.6, 0.3, 0.4, 0.2])
+    assert tree.is_tree
+    assert tree.main_chain().tokens == [11, 12, 13] and tree.main_chain().chances == [0.9, 0.6, 0.2]
+    cut = tree.cut(3)
+    assert cut.tokens == TOKENS[:3] and cut.parents == PARENTS[:3]
+    assert draft_depths(PARENTS) == [1, 1, 2, 2, 2, 3]
+
+
+@pytest.mark.parametrize("tile", [0, 16], ids=["packed", "invariant-tiles"])
+def test_each_tree_row_equals_the_plain_forward_of_its_path(tiny_model_dir, tile):
+    runner, pool = runner_for(tiny_model_dir, tile)
+    prompt = [5, 17, 42, 9, 100, 7, 33]
+    other = [8, 9, 10, 11, 12]
+    table, neighbour = [], []
+    pool.reserve(table, len(prompt) + 1 + len(TOKENS))
+    pool.reserve(neighbour, len(other) + 3)
+    runner.forward([ForwardItem(table, 0, prompt, 0), ForwardItem(neighbour, 0, other, 0)])
+    root = 21
+    rows = runner.forward(
+        [
+            ForwardItem(table, len(prompt), [root] + TOKENS, 1 + len(TOKENS), [-1] + [p + 1 for p in PARENTS]),
+            ForwardItem(neighbour, len(other), [1, 2, 3], 3),  # a chain beside it, in the same step
+        ]
+    )
+    for j, path in PATHS.items():
+        fresh = []
+        ids = prompt + [root] + [TOKENS[i] for i in path]
+        pool.reserve(fresh, len(ids))
+        want = runner.forward([ForwardItem(fresh, 0, ids, 1)])[0]
+        torch.testing.assert_close(rows[j + 1], want, atol=1e-4, rtol=1e-4)
+        pool.free(fresh)
+    root_alone = runner.forward([ForwardItem(_fresh(pool, prompt + [root]), 0, prompt + [root], 1)])[0]
+    torch.testing.assert_close(rows[0], root_alone, atol=1e-4, rtol=1e-4)
+
+
+def _fresh(pool, ids):
+    table = []
+    pool.reserve(table, len(ids))
+    return table
+
+
+def test_moved_kv_of_an_accepted_branch_equals_the_kv_of_its_plain_prefill(tiny_model_dir):
+    runner, pool = runner_for(tiny_model_dir)
+    prompt, root = [5, 17, 42, 9], 21
+    table = _fresh(pool, prompt + [root] + TOKENS)
+    runner.forward([ForwardItem(table, 0, prompt, 0)])
+    runner.forward([ForwardItem(table, len(prompt), [root] + TOKENS, 1, [-1] + [p + 1 for p in PARENTS])])
+    path = PATHS[4]  # r -> 15 -> 16: drafts 1 and 4, at positions start + 2 and start + 5
+    start = len(prompt) + 1
+    pool.move(table, [start + j for j in path], list(range(start, start + len(path))))
+    length = start + len(path)
+    after = runner.forward([ForwardItem(table, length, [77], 1)])
+    ids = prompt + [root] + [TOKENS[j] for j in path] + [77]
+    rebuilt = runner.forward([ForwardItem(_fresh(pool, ids), 0, ids, 1)])
+    torch.testing.assert_close(after, rebuilt, atol=1e-4, rtol=1e-4)
+
+
+def _seq(params: SamplingParams, outputs: int = 3) -> Sequence:
+    seq = Sequence("r", [1, 2, 3, 4], params, 0, seed=7)
+    seq.token_ids += [5] * outputs
+    return seq
+
+
+def _logits_picking(choices: dict[int, int], rows: int, vocab: int = 32) -> torch.Tensor:
+    logits = torch.zeros(rows, vocab)
+    for row, tok in choices.items():
+        logits[row, tok] = 10.0
+    return logits
+
+
+def test_greedy_walk_takes_the_branch_the_target_agrees_with():
+    seq = _seq(SamplingParams(temperature=0))
+    # The target: after r, 15 (the second branch); after 15, 16; after 16, 30 (no draft): accept [15, 16] + 30.
+    logits = _logits_picking({0: 15, 2: 16, 5: 30}, 1 + len(TOKENS))
+    (result,) = verify_round([Round(seq, Draft(TOKENS, parents=PARENTS), logits)])
+    assert result.path == [1, 4] and result.tokens == [15, 16, 30] and result.num_accepted == 2
+    assert result.rows() == [0, 2, 5]
+    # No branch agrees: the target's token alone.
+    (result,) = verify_round([Round(seq, Draft(TOKENS, parents=PARENTS), _logits_picking({0: 3}, 1 + len(TOKENS)))])
+    assert result.path == [] and result.tokens == [3]
+
+
+def test_sampled_walk_emits_exactly_the_plain_draws():
+    """At each output position the walk draws from p with that position's uniform: the draws plain decoding
+    (and a chain) makes, so a seeded request's tokens do not depend on the tree offered."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 24
+    for trial in range(40):
+        params = SamplingParams(temperature=1.0, seed=trial)
+        seq = _seq(params)
+        logits = torch.randn(1 + len(TOKENS), vocab, generator=g) * 3
+        # Make the drafts likely, so that walks go deep.
+        for j, tok in enumerate(TOKENS):
+            parent_row = PARENTS[j] + 1
+            logits[parent_row, tok % vocab] += 4.0
+        tokens = [t % vocab for t in TOKENS]
+        (result,) = verify_round([Round(seq, Draft(tokens, parents=PARENTS), logits)])
+        pos = seq.num_output_tokens
+        rows = result.rows()
+        for depth, (row, tok) in enumerate(zip(rows, result.tokens)):
+            p = torch.softmax(logits[row].double(), -1)[None]
+            u = torch.tensor([uniform(seq.seed, pos + depth, STREAM_SAMPLE)], dtype=torch.float64)
+            assert sample_from(p, u).item() == tok
+
+
+def test_sampled_walk_emits_the_target_distribution():
+    # The statistical check, as for chains: the first emitted token follows p at row 0, whatever the tree.
+    g = torch.Generator().manual_seed(11)
+    vocab, n = 6, 3000
+    logits = torch.randn(1 + len(TOKENS), vocab, generator=g)
+    tokens = [1, 2, 3, 4, 5, 0]
+    firsts = []
+    for s in range(n):
+        (result,) = verify_round([Round(_seq(SamplingParams(temperature=1.0, seed=s)), Draft(tokens, parents=PARENTS), logits)])
+        firsts.append(result.tokens[0])
+    freq = torch.bincount(torch.tensor(firsts), minlength=vocab).double() / n
+    p = torch.softmax(logits[0].double(), -1)
+    assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1 / n).all()
+
+
+def test_penalties_count_each_rows_own_ancestors():
+    params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5)
+    seq = _seq(params)
+    logits = torch.zeros(1 + len(TOKENS), 32)
+    tree = _penalize(Round(seq, Draft(TOKENS, parents=PARENTS), logits))
+    for j, path in PATHS.items():
+        chain = _penalize(Round(seq, Draft([TOKENS[i] for i in path]), torch.zeros(1 + len(path), 32)))
+        torch.testing.assert_close(tree[j + 1], chain[-1])
+    torch.testing.assert_close(tree[0], _penalize(Round(seq, Draft([]), torch.zeros(1, 32)))[0])
+
+
+class TreeProposer(Proposer):
+    """Offers, each round, a tree whose second branch is the plain greedy continuation (known from a
+    reference run) and whose first branch is wrong: every accepted path is a non-first branch, so the
+    accepted KV is always moved."""
+
+    def __init__(self, reference: dict[int, list[int]]) -> None:
+        self.reference = reference  # prompt length -> the plain run's whole token list
+
+    def propose(self, seqs, ks):
+        out = []
+        for seq, k in zip(seqs, ks):
+            full = self.reference[seq.num_prompt_tokens]
+            n = len(seq.token_ids)
+            right = full[n : n + 3]
+            if k < 2 or not right:
+                out.append(Draft([]))
+                continue
+            wrong = (right[0] + 1) % 300
+            tokens = [wrong, right[0], (wrong + 1) % 300] + right[1:]
+            parents = [-1, -1, 0] + [1, 3][: len(right) - 1]
+            m = min(k, len(tokens))
+            out.append(Draft(tokens, parents=parents, method="test").cut(m))
+        return out
+
+
+def test_engine_output_equals_plain_when_the_accepted_paths_are_side_branches(tiny_model_dir, monkeypatch):
+    config = dict(model=str(tiny_model_dir), dtype="float32")
+    plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
+    prompts = [[5, 17, 42, 9, 100, 7, 33], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.prompt_token_ids + o.token_ids for o in plain.generate(prompts, params)]
+    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=False)), log=False)
+    spec.proposer = TreeProposer({len(p): e for p, e in zip(prompts, expected)})
+    spec.proposer.lookup = None
+    out = spec.generate(prompts, params)
+    assert [o.prompt_token_ids + o.token_ids for o in out] == expected
+    assert all(o.stats.accepted > o.stats.rounds for o in out)  # side branches were accepted, more than one a round
+    assert spec.pool.num_free_blocks == spec.pool.num_blocks
+
+
+def test_suffix_trees_through_the_engine_equal_plain_greedy_and_seeded(tiny_model_dir):
+    config = dict(model=str(tiny_model_dir), dtype="float32")
+    plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
+    spec_cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=8, adaptive=False, suffix_min_token_prob=0.0,
+                                 suffix_max_spec_factor=4.0)
+    spec = Engine(EngineConfig(**config, speculative=spec_cfg), log=False)
+    assert spec.proposer.trees
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def add(a, b):\n    return a + b\n\ndef add("]
+    for params in (SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                   [SamplingParams(max_tokens=32, temperature=0.9, seed=s, ignore_eos=True) for s in range(2)]):
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+        for _ in range(2):  # the second time, the global cache holds the first answers: deep trees
+            assert [o.token_ids for o in spec.generate(prompts, params)] == expected
