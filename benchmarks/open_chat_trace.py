@@ -138,6 +138,7 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
     rates: dict = field(default_factory=dict)  # cell -> [tok/s, ...]
+    memory: dict = field(default_factory=dict)  # VmRSS, VmHWM in MiB at the end
 
     @property
     def url(self) -> str:
@@ -193,6 +194,13 @@ async def run_cell(server: Server, convs: list[Conversation], streams: int, max_
         return total / (time.perf_counter() - start)
 
 
+def _memory_mib(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 # ----------------------------------------------------------------------------------- the grid
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,21 +240,23 @@ def main() -> None:
                         rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
                         s.rates.setdefault(cell, []).append(rate)
                         print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+        for s in servers:
+            s.memory = {key: _memory_mib(s.proc.pid, key) for key in ("VmRSS", "VmHWM")}
     finally:
         for s in servers:
             if s.proc is not None:
                 stop_process(s.proc)
     cells = list(servers[0].rates)
     base = next((s for s in servers if s.label == "specstream off"), servers[0])
-    print("| server | " + " | ".join(f"{w} x{n} T={t}" for w, n, t in cells) + " |")
-    print("|---|" + "---|" * len(cells))
+    print("| server | " + " | ".join(f"{w} x{n} T={t}" for w, n, t in cells) + " | resident MiB (peak) |")
+    print("|---|" + "---|" * (len(cells) + 1))
     for s in servers:
         row = []
         for cell in cells:
             mine, ref = statistics.mean(s.rates[cell]), statistics.mean(base.rates[cell])
             spread = "/".join(f"{r / b:.2f}" for r, b in zip(s.rates[cell], base.rates[cell]))
             row.append(f"{mine:.1f} ({mine / ref:.2f}x; passes {spread})")
-        print(f"| {s.label} | " + " | ".join(row) + " |")
+        print(f"| {s.label} | " + " | ".join(row) + f" | {s.memory.get('VmRSS', 0):.0f} ({s.memory.get('VmHWM', 0):.0f}) |")
     (out / "results.json").write_text(json.dumps({s.label: {f"{w} x{n} T={t}": r for (w, n, t), r in s.rates.items()}
                                                   for s in servers}, indent=1))
 

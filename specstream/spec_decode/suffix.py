@@ -2,10 +2,15 @@
 like this one went on before, in this request and in earlier ones.
 
 Two kinds of suffix tree (kernels/suffix_tree.py, C++):
-- one per running request, over its prompt (the last `suffix_prompt_tokens`) and its output so far;
-- a global cache over the outputs of earlier requests, bounded to `suffix_max_cached_requests` requests
-  (the oldest dropped first), one tree per cache_salt as in the prefix cache, so that requests of one
-  salt never draft from another's outputs.
+- one per running request, over its prompt's last `prompt_tokens` (1024; n-gram lookup, which auto runs
+  beside, searches the whole prompt) and its output so far;
+- a global cache over the first `cached_tokens` (512) of the outputs of earlier requests, bounded to
+  `suffix_max_cached_requests` requests (the oldest dropped first), one tree per cache_salt as in the
+  prefix cache, so that requests of one salt never draft from another's outputs.
+
+Memory: a tree of depth 24 holds about 17 nodes per token of real text, about 1.3 KB per token (73 bytes
+a node, measured), so the default cache (256 requests) takes at most about 170 MB and typically a third of
+that, and a running request's own tree at most about 2 MB plus its output's share.
 
 Each round, both trees are matched against the sequence's last tokens and continued along the most
 frequent path; the draft with the larger sum of estimated chances is proposed. A draft is at most
@@ -95,8 +100,8 @@ class SuffixProposer(Proposer):
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_cached_requests: int = 256,
-        prompt_tokens: int = 4096,
-        cached_tokens: int = 1024,
+        prompt_tokens: int = 1024,
+        cached_tokens: int = 512,
         trees: bool = False,
     ) -> None:
         if not available():
