@@ -187,7 +187,8 @@ async def run_cell(server: Server, convs: list[Conversation], streams: int, max_
             nonlocal total
             while queue:
                 i, conv = queue.pop(0)
-                total += await converse(http, server, conv, max_tokens, temperature, seed=i)
+                tokens = await converse(http, server, conv, max_tokens, temperature, seed=i)
+                total += tokens  # not `total += await ...`: that reads total before the await, losing updates
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))

@@ -240,3 +240,7 @@ def test_the_engine_feeds_its_steps_to_the_curve(tiny_model_dir):
     before = cost.observed
     spec.generate(PROMPTS[0], GREEDY)
     assert cost.observed > before
+    from prometheus_client import generate_latest
+
+    text = generate_latest(spec.metrics.registry).decode()
+    assert f'specstream_forward_cost_seconds{{tokens="{cost.tokens[0]}"}}' in text

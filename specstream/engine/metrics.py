@@ -73,6 +73,13 @@ class EngineMetrics:
             ["method"],
             registry=r,
         )
+        self.forward_cost = Gauge(
+            "specstream_forward_cost_seconds",
+            "What the speculation policy prices a forward over this many tokens at: timed at start-up, "
+            "corrected by every step the engine runs.",
+            ["tokens"],
+            registry=r,
+        )
         # [structured] grammar-forced drafts, counted in num_draft_tokens/num_accepted_tokens too
         self.num_forced_tokens = Counter("specstream_spec_decode_num_forced_tokens", "Draft tokens forced by a grammar.", registry=r)
         self.num_forced_accepted_tokens = Counter(
@@ -100,6 +107,11 @@ class EngineMetrics:
         self.num_running.set(running)
         self.num_waiting.set(waiting)
         self.kv_usage.set(kv_cache_usage)
+
+    def observe_cost(self, cost) -> None:
+        """The policy's forward-time curve (calibration.CostModel), at its timed sizes."""
+        for n in cost.tokens:
+            self.forward_cost.labels(tokens=str(n)).set(cost(n))
 
     def observe_prefix_cache(self, cache: PrefixCache | None) -> None:
         """Advance the prefix-cache counters to the cache's running totals."""
