@@ -21,6 +21,7 @@ over the cell's wall time, and the table gives each server's ratio to our plain 
     python benchmarks/open_chat_trace.py                       # the default grid (hours on 2 cores)
     python benchmarks/open_chat_trace.py --workloads chat agent --streams 1 8 --temperatures 0 \\
         --measured 12 --servers off ngram auto llama llama:ngram-cache
+    python benchmarks/open_chat_trace.py --cells chat:1:0 chat:8:0.7 agent:1:0 --servers off auto
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=["chat", "agent", "code"], choices=["chat", "agent", "code"])
     p.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
+    p.add_argument("--cells", nargs="+", default=None,
+                   help="explicit cells WORKLOAD:STREAMS:TEMPERATURE (e.g. chat:8:0.7) instead of the grid")
     p.add_argument("--warm", type=int, default=60, help="conversations of each workload that warm the servers")
     p.add_argument("--measured", type=int, default=40, help="conversations of each workload measured per cell")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -217,6 +220,11 @@ def main() -> None:
     p.add_argument("--out", default="bench-results/open-chat-trace")
     args = p.parse_args()
 
+    if args.cells:
+        cells = [(w, int(n), float(t)) for w, n, t in (c.split(":") for c in args.cells)]
+    else:
+        cells = [(w, n, t) for w in args.workloads for t in args.temperatures for n in args.streams]
+    args.workloads = sorted({w for w, _, _ in cells})
     trace = load_trace()
     print("trace: " + ", ".join(f"{k} {len(v)} conversations" for k, v in trace.items()), file=sys.stderr)
     out = Path(args.out)
@@ -232,22 +240,19 @@ def main() -> None:
             for w in args.workloads:
                 asyncio.run(run_cell(s, trace[w][: args.warm], 8, args.max_tokens, 0.0))
             print(f"warmed {s.label}", file=sys.stderr, flush=True)
-        for w in args.workloads:
+        for w, streams, temperature in cells:
             measured = trace[w][args.warm : args.warm + args.measured]
-            for temperature in args.temperatures:
-                for streams in args.streams:
-                    cell = (w, streams, temperature)
-                    for s in (servers + servers[::-1])[: len(servers) * args.passes]:
-                        rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
-                        s.rates.setdefault(cell, []).append(rate)
-                        print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+            for s in (servers + servers[::-1])[: len(servers) * args.passes]:
+                rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
+                s.rates.setdefault((w, streams, temperature), []).append(rate)
+                print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         for s in servers:
             s.memory = {key: _memory_mib(s.proc.pid, key) for key in ("VmRSS", "VmHWM")}
     finally:
         for s in servers:
             if s.proc is not None:
                 stop_process(s.proc)
-    cells = list(servers[0].rates)
+    cells = [c for c in cells if c in servers[0].rates]
     base = next((s for s in servers if s.label == "specstream off"), servers[0])
     print("| server | " + " | ".join(f"{w} x{n} T={t}" for w, n, t in cells) + " | resident MiB (peak) |")
     print("|---|" + "---|" * (len(cells) + 1))
