@@ -45,9 +45,14 @@ _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 # Online correction (CostModel.observe): how far one observed step moves the curve toward it (a fraction
 # of the log-ratio), and the largest log-ratio one step may count with (a step that compiled a new shape,
-# or was descheduled, says little about the next ones).
+# or was descheduled, says little about the next ones). The correction is one factor for the whole curve
+# (the machine's speed now), learned at ONLINE_RATE, and a factor per timed size for the curve's shape,
+# learned slower and bounded by SHAPE_BOUND: drafting decisions compare step sizes, so a wrong shape
+# that stopped all drafting would never see the larger steps again to correct itself.
 ONLINE_RATE = 0.1
+SHAPE_RATE = 0.03
 ONLINE_CLIP = math.log(3.0)
+SHAPE_BOUND = math.log(1.5)
 
 
 class CostModel:
@@ -62,7 +67,8 @@ class CostModel:
         self.seconds = []
         for s in seconds:
             self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
-        self.log_scale = [0.0] * len(self.tokens)  # the online correction at each timed size, in log
+        self.log_speed = 0.0  # the online correction of the whole curve, in log
+        self.log_scale = [0.0] * len(self.tokens)  # and of its shape at each timed size, in log
         self.observed = 0  # steps observed
 
     def timed(self, n: float) -> float:
@@ -88,15 +94,16 @@ class CostModel:
     def __call__(self, n: float) -> float:
         if not self.observed:
             return self.timed(n)
-        return self.timed(n) * math.exp(sum(w * self.log_scale[j] for j, w in self._weights(n)))
+        return self.timed(n) * math.exp(self.log_speed + sum(w * self.log_scale[j] for j, w in self._weights(n)))
 
     def observe(self, n: int, seconds: float) -> None:
-        """A step over n tokens took `seconds`: move the curve near n toward it."""
+        """A step over n tokens took `seconds`: move the curve toward it (mostly as a whole, a little near n)."""
         if n < 1 or not seconds > 0 or not math.isfinite(seconds):
             return
         error = min(max(math.log(seconds / self(n)), -ONLINE_CLIP), ONLINE_CLIP)
+        self.log_speed += ONLINE_RATE * error
         for j, w in self._weights(n):
-            self.log_scale[j] += ONLINE_RATE * w * error
+            self.log_scale[j] = min(max(self.log_scale[j] + SHAPE_RATE * w * error, -SHAPE_BOUND), SHAPE_BOUND)
         self.observed += 1
 
     def save(self, path: Path) -> None:

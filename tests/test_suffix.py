@@ -2,12 +2,13 @@
 the proposer through the engine (greedy output equals plain; later requests draft from earlier outputs),
 auto's pricing of suffix drafts, the forward-time curve learned online, and rounds by method in the chunks."""
 
+import math
 import random
 
 import pytest
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from specstream.calibration import ONLINE_CLIP, CostModel
+from specstream.calibration import ONLINE_CLIP, SHAPE_BOUND, CostModel
 from specstream.kernels import suffix_tree
 from specstream.spec_decode.auto import Calibration, best_cut
 
@@ -214,10 +215,11 @@ def test_auto_cuts_a_suffix_draft_where_its_rows_stop_paying():
 def test_the_forward_time_curve_follows_the_steps_the_engine_runs():
     cost = CostModel([1, 8, 16], [0.010, 0.020, 0.030])
     assert cost(8) == pytest.approx(0.020)
-    # The machine is now twice as slow at 8 rows (a noisy neighbour); the curve learns it from steps.
+    # The machine is now twice as slow (a noisy neighbour); the curve learns it from steps.
     for _ in range(60):
         cost.observe(8, 0.040)
-    assert cost(8) == pytest.approx(0.040, rel=0.05)
+        cost.observe(1, 0.020)
+    assert cost(8) == pytest.approx(0.040, rel=0.05) and cost(1) == pytest.approx(0.020, rel=0.05)
     assert cost.timed(8) == pytest.approx(0.020)  # what was timed is kept apart
     # A curve timed while the machine was busy (100x too dear) comes back down within a few dozen steps.
     busy = CostModel([1, 8], [1.0, 2.0])
@@ -227,7 +229,14 @@ def test_the_forward_time_curve_follows_the_steps_the_engine_runs():
     # One step that compiled a new shape moves it by a bounded amount.
     calm = CostModel([1, 8], [0.01, 0.02])
     calm.observe(1, 30.0)
-    assert calm(1) <= 0.01 * (1 + 0.11 * ONLINE_CLIP) + 1e-12
+    assert calm(1) <= 0.01 * math.exp(0.14 * ONLINE_CLIP) + 1e-12
+    # Steps of one size that keep stalling change the curve's shape by at most SHAPE_BOUND: the policy never
+    # prices verification so dear that drafting stops for good (and no larger step is seen to correct it).
+    stalls = CostModel([1, 8], [0.01, 0.02])
+    for _ in range(200):
+        stalls.observe(8, 0.2)
+        stalls.observe(1, 0.01)
+    assert stalls(8) / stalls(1) <= 2.0 * math.exp(2 * SHAPE_BOUND) + 1e-9
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         calm.observe(1, bad)
     assert calm.observed == 1

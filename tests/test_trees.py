@@ -21,11 +21,11 @@ PARENTS = [-1, -1, 0, 0, 1, 2]
 PATHS = {0: [0], 1: [1], 2: [0, 2], 3: [0, 3], 4: [1, 4], 5: [0, 2, 5]}  # each draft's path from the root
 
 
-def runner_for(model_dir, tile=0):
+def runner_for(model_dir, tile=0, fast=True):
     source = resolve_model(str(model_dir))
     model = load_model(source, attn_implementation=ATTN_IMPLEMENTATION)
     pool = KVPool(*model_geometry(model.config), 512, 8, torch.float32, "cpu")
-    return ModelRunner(model, pool, tile=tile), pool
+    return ModelRunner(model, pool, fast=fast, tile=tile), pool
 
 
 def test_draft_validation_and_helpers():
@@ -40,9 +40,11 @@ def test_draft_validation_and_helpers():
     assert draft_depths(PARENTS) == [1, 1, 2, 2, 2, 3]
 
 
-@pytest.mark.parametrize("tile", [0, 16], ids=["packed", "invariant-tiles"])
-def test_each_tree_row_equals_the_plain_forward_of_its_path(tiny_model_dir, tile):
-    runner, pool = runner_for(tiny_model_dir, tile)
+@pytest.mark.parametrize(
+    "tile,fast", [(0, True), (16, True), (0, False)], ids=["packed", "invariant-tiles", "transformers-modules"]
+)
+def test_each_tree_row_equals_the_plain_forward_of_its_path(tiny_model_dir, tile, fast):
+    runner, pool = runner_for(tiny_model_dir, tile, fast)
     prompt = [5, 17, 42, 9, 100, 7, 33]
     other = [8, 9, 10, 11, 12]
     table, neighbour = [], []

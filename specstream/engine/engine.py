@@ -188,7 +188,7 @@ class Engine:
         """Every draft is priced from the forward-time curve: each step the engine runs corrects it, so that
         the price follows the machine as it is now (calibration.CostModel.observe)."""
         cost = self.policy.target_cost
-        if cost is not None:
+        if cost is not None and not self.compiling:  # a compile beside slows steps for a while only
             cost.observe(tokens, seconds)
             if cost.observed % 32 == 1:  # the gauges now and then: a few dozen label lookups
                 self.metrics.observe_cost(cost)
