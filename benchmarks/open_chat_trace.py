@@ -39,14 +39,14 @@ import sys
 import tarfile
 import time
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import free_port, stop_process, wait_up  # noqa: E402
-from vs_llamacpp import ensure_llama_server  # noqa: E402
+from vs_llamacpp import Server, ensure_llama_server  # noqa: E402
 
 from specstream.cache import cache_dir  # noqa: E402
 from specstream.model.loader import BUNDLED_MODELS, bundled_gguf_path  # noqa: E402
@@ -142,21 +142,6 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
 
 
 # ----------------------------------------------------------------------------------- servers
-@dataclass
-class Server:
-    label: str
-    cmd: list[str]
-    model: str
-    port: int
-    proc: subprocess.Popen | None = None
-    rates: dict = field(default_factory=dict)  # cell -> [tok/s, ...]
-    memory: dict = field(default_factory=dict)  # VmRSS, VmHWM in MiB at the end
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
 def make_server(spec: str, threads: int) -> Server:
     """off, ngram, suffix, auto (specstream with that speculative method, default quantization), llama (plain
     llama-server) or llama:<spec-type> (llama-server with --spec-type)."""
@@ -240,13 +225,6 @@ async def run_cell(
         return total / (time.perf_counter() - start)
 
 
-def _memory_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 # ----------------------------------------------------------------------------------- the grid
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,31 +279,27 @@ def main() -> None:
                     )
                 for s in servers if p % 2 == 0 else servers[::-1]:
                     rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
-                    s.rates.setdefault((w, streams, temperature), []).append(rate)
+                    s.results.setdefault((w, streams, temperature), []).append(rate)
                     print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         for s in servers:
-            s.memory = {key: _memory_mib(s.proc.pid, key) for key in ("VmRSS", "VmHWM")}
+            s.rss_mib, s.peak_mib = s.memory_mib(), s.memory_mib("VmHWM")
     finally:
         for s in servers:
             if s.proc is not None:
                 stop_process(s.proc)
-    cells = [c for c in cells if c in servers[0].rates]
+    cells = [c for c in cells if c in servers[0].results]
     base = next((s for s in servers if s.label == "specstream off"), servers[0])
     print("| server | " + " | ".join(f"{w} x{n} T={t}" for w, n, t in cells) + " | resident MiB (peak) |")
     print("|---|" + "---|" * (len(cells) + 1))
     for s in servers:
         row = []
         for cell in cells:
-            mine, ref = statistics.mean(s.rates[cell]), statistics.mean(base.rates[cell])
-            spread = "/".join(f"{r / b:.2f}" for r, b in zip(s.rates[cell], base.rates[cell]))
+            mine, ref = statistics.mean(s.results[cell]), statistics.mean(base.results[cell])
+            spread = "/".join(f"{r / b:.2f}" for r, b in zip(s.results[cell], base.results[cell]))
             row.append(f"{mine:.1f} ({mine / ref:.2f}x; passes {spread})")
-        print(
-            f"| {s.label} | "
-            + " | ".join(row)
-            + f" | {s.memory.get('VmRSS', 0):.0f} ({s.memory.get('VmHWM', 0):.0f}) |"
-        )
+        print(f"| {s.label} | " + " | ".join(row) + f" | {s.rss_mib:.0f} ({s.peak_mib:.0f}) |")
     (out / "results.json").write_text(
-        json.dumps({s.label: {f"{w} x{n} T={t}": r for (w, n, t), r in s.rates.items()} for s in servers}, indent=1)
+        json.dumps({s.label: {f"{w} x{n} T={t}": r for (w, n, t), r in s.results.items()} for s in servers}, indent=1)
     )
 
 

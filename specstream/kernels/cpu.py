@@ -18,6 +18,7 @@ and returns False, and callers keep the torch version.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 import hashlib
 import logging
 import os
@@ -193,27 +194,32 @@ def _build() -> Path:
     h = hashlib.sha256(repr((torch.__version__, sys.platform, command, _cpu_flags())).encode())
     for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
-    directory = cache_dir() / "kernels" / h.hexdigest()[:20]
-    target = directory / "specstream_kernels.so"
-    digest = directory / "specstream_kernels.so.sha256"
+    target = cache_dir() / "kernels" / h.hexdigest()[:20] / "specstream_kernels.so"
+    return kept_library(target, lambda out: _compile_and_link(command, out), "specstream's CPU kernels")
+
+
+def kept_library(target: Path, build: Callable[[Path], None], what: str) -> Path:
+    """target, a library kept in the cache beside its SHA-256: built first (build(path) writes it) where
+    it is missing or does not match its digest. It is built under a temporary name and renamed, so a
+    concurrent start never loads a half-written file."""
+    digest = target.with_name(target.name + ".sha256")
     if target.is_file():
         if digest.is_file() and digest.read_text().strip() == _sha256(target):
             return target
         # Truncated, overwritten, or left by a build that never recorded its digest: never loaded as it is.
-        log.warning("the kept CPU kernel library %s does not match its digest: building it again", target)
+        log.warning("the kept library %s does not match its digest: building it again", target)
         target.unlink(missing_ok=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        _compile_and_link(command, Path(tmp))
+        build(Path(tmp))
         digest.write_text(_sha256(Path(tmp)) + "\n")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built specstream's CPU kernels into %s", directory)
+    log.info("built %s into %s", what, target.parent)
     return target
 
 

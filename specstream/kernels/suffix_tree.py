@@ -13,13 +13,13 @@ import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from specstream.cache import cache_dir
+from specstream.kernels.cpu import kept_library
 
 log = logging.getLogger("specstream.kernels.suffix_tree")
 
@@ -41,30 +41,13 @@ def _command(out: Path) -> list[str]:
 
 def _build() -> Path:
     key = hashlib.sha256(repr(_command(Path("out.so"))).encode() + SOURCE.read_bytes()).hexdigest()[:20]
-    directory = cache_dir() / "kernels" / f"suffix-{key}"
-    target = directory / "specstream_suffix_tree.so"
-    digest = directory / "specstream_suffix_tree.so.sha256"
-    if target.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(target):
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: a concurrent start never loads a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        done = subprocess.run(_command(Path(tmp)), capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
-        digest.write_text(_sha256(Path(tmp)) + "\n")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the suffix tree into %s", directory)
-    return target
+    return kept_library(cache_dir() / "kernels" / f"suffix-{key}" / "specstream_suffix_tree.so", _compile, "the suffix tree")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _compile(out: Path) -> None:
+    done = subprocess.run(_command(out), capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
 
 
 def _load() -> ctypes.CDLL | None:
