@@ -125,9 +125,8 @@ class SuffixProposer(Proposer):
             trees=ctx.trees,
         )
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """[structured] Continue a token list from the global cache (drafts after grammar-forced tokens)."""
-        return self.cache.speculate(None, tokens[-self.max_depth :], k, self.max_spec_factor, self.min_token_prob)[0]
+    # [structured] lookup stays None: a token list alone names no request, so no cache_salt to draft under;
+    # a grammar's forced tokens are drafted without a suffix continuation after them.
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         return [self.draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
