@@ -306,7 +306,10 @@ def pack(
     members = [g for g in (short, long) if g]
     if len(members) == 2 and len(long) * len(short) <= 1:
         members = [list(range(len(items)))]  # nothing to gain from splitting
-    groups = [_group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i] for i in m], q_tile, dev) for m in members]
+    groups = [
+        _group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i] for i in m], [positions[i] for i in m], q_tile, dev)
+        for m in members
+    ]
     slot_mappings = [torch.cat(maps).to(dev) for maps in slot_maps]
     ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
     keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
@@ -314,7 +317,12 @@ def pack(
 
 
 def _group(
-    kv_slots: list[list[torch.Tensor]], q_rows: list[torch.Tensor], items: list[ForwardItem], q_tile: int, dev
+    kv_slots: list[list[torch.Tensor]],
+    q_rows: list[torch.Tensor],
+    items: list[ForwardItem],
+    positions: list[torch.Tensor],
+    q_tile: int,
+    dev,
 ) -> AttentionGroup:
     """The padded attention layout of some of a step's sequences (kv_slots: per KV layer group, each
     sequence's slots). A group holding a draft tree gets its full-context mask here: causal by position,
@@ -342,7 +350,7 @@ def _group(
     if any(item.parents is not None for item in items):
         for i, item in enumerate(items):
             if item.parents is not None:
-                q_pos[i, : len(item.tokens)] = item.positions()
+                q_pos[i, : len(item.tokens)] = positions[i]  # pack's: each tree token at its depth
         tree_mask = torch.arange(s_max)[None, None, :] <= q_pos[:, :, None]  # [B, T_max, S_max]
         for i, item in enumerate(items):
             if item.parents is not None:
