@@ -7,6 +7,9 @@
 - `q8_linear`: a projection with 8-bit weights and a scale per block of 32 (GGUF Q8_0, weights.py's
   Int8Blocks), which torch's kernels take only as two 4-bit planes.
 - `q4_linear`: a projection with 4-bit blocks (GGUF Q4_0/Q4_1) in quant.PackedQ4's layout.
+- `a8_linear`: 8-bit activations times GGUF blocks, summed as integers (csrc/a8_linear.cpp).
+- `rms_norm`: RMSNorm with one summation order per row, so that the eager forward and the compiled steps
+  (which otherwise sum a row's squares in different orders) normalize a row to the same bits.
 
 The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
 machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
@@ -34,7 +37,7 @@ from specstream.cache import cache_dir, point_inductor_here
 
 log = logging.getLogger("specstream.kernels.cpu")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp", "rms_norm.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 
 _lib = torch.library.Library("specstream", "DEF")
@@ -46,6 +49,7 @@ _lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
 _lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
 _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
+_lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -66,6 +70,11 @@ def _q4_linear_shape(x, codes, scales, mins):
 @torch.library.register_fake("specstream::a8_linear")
 def _a8_linear_shape(x, codes, scales, mins, path=-1):
     return x.new_empty((x.shape[0], codes.shape[0] * 16))  # codes: [N / 16, K / 32, 256 or 512]
+
+
+@torch.library.register_fake("specstream::rms_norm")
+def _rms_norm_shape(x, weight, eps):
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("specstream::a8_quantize")

@@ -142,6 +142,11 @@ def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | No
 # long prefill chunks keep SDPA, which never holds all scores at once.
 _EXPLICIT_MAX_ROWS = 64
 _EXPLICIT_MAX_SCORES = 2**24
+# Query runs up to this long (decode, verification) attend in one group, longer ones (prefill chunks) in
+# another (runner.py). With specstream's CPU kernel, every group of short runs attends through it, eager or
+# compiled, whatever the step's batch, so a decode or verification row's attention is the same bits in
+# every kind of step (the kernel is row-invariant; see kernels/csrc/short_attention.cpp).
+SHORT_RUN = 16
 
 _local = threading.local()
 
@@ -166,10 +171,12 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
     ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
-    sliding-window layer). Returns [1, heads, T, d]."""
+    sliding-window layer). Returns [1, heads, T, d]. kernel: groups of short query runs attend with
+    specstream's CPU kernel (loaded by the caller), as the compiled steps do."""
     pool = ctx.pool
     if ctx.windows is not None:
         ctx.windows[layer] = window
@@ -184,7 +191,7 @@ def attend(
     slot_mapping = ctx.slot_mappings[kv_group]
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
-    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group)
+    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel)
     if len(ctx.groups) == 1:
         return _attend_group(ctx, ctx.groups[0], *args).unsqueeze(0)
     out = query.new_empty(query.shape[1:])
@@ -194,10 +201,16 @@ def attend(
     return out.unsqueeze(0)
 
 
-def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group):
+def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
     view = group.key_view(window, bool(ctx.q_tile), kv_group)
+    if kernel and softcap is None and sinks is None and not ctx.q_tile and group.q_index.shape[1] <= SHORT_RUN:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = torch.ops.specstream.short_attention(
+            query.transpose(0, 1), keys, values, view.kv_index, view.mask, group.q_index, group.out_index, scale
+        )
+        return out.transpose(0, 1)
     batch, s = view.kv_index.shape
     k, v = gather_keys(keys, values, view.kv_index)
     q = gather_queries(query, group.q_index)

@@ -28,7 +28,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,12 @@ from specstream.model.attention import StepContext, explicit_pays
 from specstream.model.fast_llama import COMPILED_MAX_ROWS, COMPILED_MAX_RUN, KINDS, FastLlama, LayerMath
 
 log = logging.getLogger("specstream.model.compiled_steps")
+
+# Inductor keeps fused bf16/fp16 intermediates in float32 unless told to round them as eager torch does
+# after every op. Told to, a compiled layer computes each row as the eager forward does (measured on the
+# bundled model: the same bits for decode and verification graphs, and as eager), so a token's logits do not
+# depend on whether its step ran compiled, nor which kind of graph served it; the price is a few roundings.
+NUMERICS = {"emulate_precision_casts": True}
 
 
 class CompiledSteps:
@@ -64,9 +69,7 @@ class CompiledSteps:
         # Every layer has the same kernels: a function whose guards pass for one layer passes for all.
         self.uniform = len({kept_steps.signature(k) for k in self.kernels}) == 1
         self.math = fast.math
-        if fast.embed.device.type == "cpu" and cpu_kernels.fits_head(self.math.head_dim) and cpu_kernels.load():
-            self.math = replace(self.math, attention_kernel=True)
-        self.fn = torch.compile(self.math.short_layers)
+        self.fn = torch.compile(self.math.short_layers, options=NUMERICS)
         # The functions compiled ahead of time, by kind of step; None where building one failed (those
         # steps take the torch.compile'd calls). kept_dir: where they are kept between starts.
         self.kept_dir = kept_dir
@@ -168,7 +171,7 @@ class CompiledSteps:
         try:
             # No size asserts: the wrapper would check every extern kernel's output (hundreds of checks
             # a decode step of the bundled model) for shapes the graph itself computed.
-            options = {"guard_filter_fn": kept_steps.saveable_guards, "size_asserts": False}
+            options = {"guard_filter_fn": kept_steps.saveable_guards, "size_asserts": False, **NUMERICS}
             compiled = torch.compile(LayerMath.short_layers, fullgraph=True, options=options)
             fn = compiled.aot_compile((args, {}))
         except Exception as exc:  # noqa: BLE001 - the torch.compile'd calls still serve these steps

@@ -29,7 +29,7 @@ import torch
 from specstream.model import fast_llama
 from specstream.model.architectures import check_architecture
 from specstream.model.compiled_steps import CompiledSteps
-from specstream.model.attention import AttentionGroup, StepContext, model_geometry, step_context
+from specstream.model.attention import SHORT_RUN, AttentionGroup, StepContext, model_geometry, step_context
 from specstream.model.fast_llama import FastLlama, dense_linear
 from specstream.memory.kv import KVPool
 from specstream.model.loader import ModelError
@@ -42,9 +42,6 @@ log = logging.getLogger("specstream.model.runner")
 # default) so speculation costs no second tile; see the README for the measured price.
 INVARIANT_TILE = 16
 _KEY_BLOCK = 64
-# Query runs up to this long (decode, verification) attend in one group, longer ones (prefill
-# chunks) in another.
-_SHORT_RUN = 16
 
 
 def _lower_priority() -> None:
@@ -301,8 +298,8 @@ def pack(
         offset += n
     pos = torch.cat(positions)
     # Decode and verification runs attend apart from prefill chunks (see AttentionGroup).
-    short = [i for i, r in enumerate(q_rows) if len(r) <= _SHORT_RUN]
-    long = [i for i, r in enumerate(q_rows) if len(r) > _SHORT_RUN]
+    short = [i for i, r in enumerate(q_rows) if len(r) <= SHORT_RUN]
+    long = [i for i, r in enumerate(q_rows) if len(r) > SHORT_RUN]
     members = [g for g in (short, long) if g]
     if len(members) == 2 and len(long) * len(short) <= 1:
         members = [list(range(len(items)))]  # nothing to gain from splitting
