@@ -92,11 +92,11 @@ def test_compiled_a8_logits_equal_eager():
     assert torch.equal(steps(compiled), steps(eager))
 
 
-def _logits_of(e: Engine, schedule: list[int], beside: str = "") -> torch.Tensor:
-    """The logits of 20 tokens fed after a 35-token prompt in runs of `schedule` (1: a decode step; k + 1: a
-    verification), with beside="batch" other sequences verifying 7 and 9 rows in the same steps, with
-    beside="prefill" those and another sequence's 30-token prefill chunk too (an eager step of up to 118 rows,
-    where the projections' routes would take the dense GEMM)."""
+def _logits_of(e: Engine, schedule: list[int], beside: str = "", prompt_chunks: tuple[int, ...] = (35,)) -> torch.Tensor:
+    """The logits of 20 tokens fed after a 35-token prompt (prefilled in prompt_chunks) in runs of `schedule`
+    (1: a decode step; up to 16: a verification; more: a prefill chunk), with beside="batch" other sequences
+    verifying 9 rows in the same steps, with beside="prefill" those and another sequence's 30-token prefill
+    chunk too (eager steps of up to 118 rows)."""
     from specstream.model.runner import ForwardItem
 
     prompt, tokens = list(range(300, 335)), list(range(1000, 1020))
@@ -104,7 +104,10 @@ def _logits_of(e: Engine, schedule: list[int], beside: str = "") -> torch.Tensor
     for t in tables:
         assert e.pool.reserve(t, 200)
     try:
-        e.runner.forward([ForwardItem(tables[0], 0, prompt, 1)])
+        start = 0
+        for n in prompt_chunks:
+            e.runner.forward([ForwardItem(tables[0], start, prompt[start : start + n], 1)])
+            start += n
         for t in tables[1:9]:
             e.runner.forward([ForwardItem(t, 0, prompt[:20], 1)])
         out, pos, others, chunk = [], 35, 20, 0
@@ -123,13 +126,13 @@ def _logits_of(e: Engine, schedule: list[int], beside: str = "") -> torch.Tensor
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
-def test_a8_decode_and_verification_rows_are_bit_identical_in_bf16(compile):
+def test_a8_rows_are_bit_identical_in_any_step_in_bf16(compile):
     """Under a8 in bf16 (the default where a8 serves), a token's logits are the same bits whether it was decoded
-    alone, verified among 9 or 16 rows, in steps beside other sequences' verifications, or beside a prefill
-    chunk (eager, with more rows than the projections' routes keep on the packed kernel); compiled and eager
-    alike, and the compiled steps equal the eager ones. So greedy output cannot depend on the drafts or the
-    batch. Prefill chunks (runs of more than 16 tokens) are outside the promise: their attention and
-    projections may take other kernels."""
+    alone, verified among 9 or 16 rows, prefilled in a chunk of 20 or 17, in steps beside other sequences'
+    verifications or beside a prefill chunk (eager steps of up to 118 rows), after a prompt prefilled whole or in
+    two chunks (as after a prefix-cache hit); compiled and eager alike, and the compiled steps equal the eager
+    ones. So greedy output cannot depend on the drafts, the batch or the prefix cache (prompts of up to
+    attention.KERNEL_MAX_KEYS tokens: longer prefill chunks attend through SDPA)."""
     from specstream.kernels import quant
 
     if not quant.a8_serves(torch.device("cpu")):
@@ -141,9 +144,18 @@ def test_a8_decode_and_verification_rows_are_bit_identical_in_bf16(compile):
     if compile:
         assert e.runner.fast.compiled_rows >= 16, e.forward_description
     alone = _logits_of(e, [1] * 20)
-    for schedule, beside in (([9, 9, 2], ""), ([16, 4], ""), ([2] * 10, ""), ([1, 9, 6, 4], "batch"), ([9, 1, 9, 1], "prefill")):
-        got = _logits_of(e, schedule, beside)
-        assert torch.equal(got, alone), (schedule, beside, (got - alone).abs().max().item())
+    cases = [
+        ([9, 9, 2], "", (35,)),
+        ([16, 4], "", (35,)),
+        ([2] * 10, "", (35,)),
+        ([20], "", (35,)),
+        ([17, 3], "", (20, 15)),
+        ([1, 9, 6, 4], "batch", (35,)),
+        ([9, 1, 9, 1], "prefill", (3, 32)),
+    ]
+    for schedule, beside, chunks in cases:
+        got = _logits_of(e, schedule, beside, chunks)
+        assert torch.equal(got, alone), (schedule, beside, chunks, (got - alone).abs().max().item())
     if compile:
         e.runner.fast.steps, steps = None, e.runner.fast.steps
         try:

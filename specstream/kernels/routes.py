@@ -19,8 +19,6 @@ from specstream.kernels.quant import Linear, LinearFactory
 
 # Rows per call at which the kernels are compared; the step sizes of decoding, verification and prefill.
 _PROBE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
-# a8 (quant.PackedA8) serves every call of up to this many rows (decoding, verification, small batches).
-A8_MIN_ROWS = 32
 # A dense copy is kept only while all copies together take at most this share of the free memory.
 _DENSE_MEMORY_SHARE = 0.25
 
@@ -93,16 +91,18 @@ def choose_kernels(
     choices = []
     for shape, group in sorted(by_shape.items(), key=lambda item: -len(item[1]) * item[0][0] * item[0][1]):
         saved = (routes or {}).get(_shape_key(shape))
-        # a8 serves at least the rows of a verification whatever the timings, so that a row's logits stay
-        # independent of its step's row count there (the dense GEMM's would not be a8's)
-        floor = min(A8_MIN_ROWS, probes[-1]) if group[0].packed.kernel[0] == "a8" else 0
-        limit = floor if timed else probes[-1]
-        for rows in [r for r in probes if r > floor] if timed and saved is None else []:
+        # a8 serves every call, untimed: its rows are computed alone (integer sums are exact), so a token's
+        # logits do not depend on how many rows its step held; the dense GEMM's rounding would (and at the
+        # row counts of prefill it is about as fast here: benchmarks/quant_forward.py). No dense copy is kept.
+        every = group[0].packed.kernel[0] == "a8"
+        timed_here = timed and not every
+        limit = 0 if timed_here else probes[-1]
+        for rows in probes if timed_here and saved is None else []:
             if not _faster_packed(group, torch.randn(rows, shape[1], dtype=dtype, device=device)):
                 break
             limit = rows
-        if timed and saved is not None:
-            limit = max(min(saved, probes[-1]), floor)
+        if timed_here and saved is not None:
+            limit = min(saved, probes[-1])
         dense_bytes = sum(lin.dense.nbytes for lin in group)
         keep = limit < probes[-1] and (limit == 0 or dense_bytes <= budget)
         if keep:

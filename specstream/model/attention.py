@@ -143,10 +143,15 @@ def build_key_view(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | No
 _EXPLICIT_MAX_ROWS = 64
 _EXPLICIT_MAX_SCORES = 2**24
 # Query runs up to this long (decode, verification) attend in one group, longer ones (prefill chunks) in
-# another (runner.py). With specstream's CPU kernel, every group of short runs attends through it, eager or
-# compiled, whatever the step's batch, so a decode or verification row's attention is the same bits in
-# every kind of step (the kernel is row-invariant; see kernels/csrc/short_attention.cpp).
+# another (runner.py).
 SHORT_RUN = 16
+# With specstream's CPU kernel, every group of short runs attends through it, eager or compiled, whatever the
+# step's batch, and so does every prefill group over at most this many keys: a token then attends through the
+# same kernel whether it was decoded, verified, or prefilled in any chunk (a prompt's tail after a prefix-cache
+# hit, a preempted sequence computed again), and the kernel computes a row alone, so its numbers do not depend
+# on the step (kernels/csrc/short_attention.cpp). Longer prefill groups take SDPA, several times faster there
+# (the kernel has no blocking across query rows): at most 1.2x SDPA's prefill time up to 512 tokens.
+KERNEL_MAX_KEYS = 512
 
 _local = threading.local()
 
@@ -205,7 +210,9 @@ def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, 
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
     view = group.key_view(window, bool(ctx.q_tile), kv_group)
-    if kernel and softcap is None and sinks is None and not ctx.q_tile and group.q_index.shape[1] <= SHORT_RUN:
+    if kernel and softcap is None and sinks is None and not ctx.q_tile and (
+        group.q_index.shape[1] <= SHORT_RUN or view.kv_index.shape[1] <= KERNEL_MAX_KEYS
+    ):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = torch.ops.specstream.short_attention(
             query.transpose(0, 1), keys, values, view.kv_index, view.mask, group.q_index, group.out_index, scale

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from specstream.model.attention import SHORT_RUN, StepContext, attend, attend_short
+from specstream.model.attention import StepContext, attend, attend_short
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels.quant import Linear, project
 
@@ -258,55 +258,20 @@ class FastLlama:
         cos, sin = self._rope(positions, x.dtype)
         t = input_ids.shape[0]
         aux = {}
-        short = None if self.tile else short_rows(ctx, t)
         steps = getattr(self._local, "steps", None) or self.steps
         if steps is not None and steps.takes(ctx, t):
             x = steps.layers(x, cos, sin, ctx, aux_layers, aux)
-            return self._finish(x, keep, aux_layers, aux, short)
-        proj = _call if short is None else partial(project_short, short)
+            return self._finish(x, keep, aux_layers, aux)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux[i] = x
-            q, k, v = self._rows(partial(self.math.qkv, layer, proj=proj), x, cos, sin)
+            q, k, v = self._rows(partial(self.math.qkv, layer), x, cos, sin)
             out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.math.scaling, kernel=self.math.attention_kernel)
-            x = self._rows(partial(self.math.block_out, layer, proj=proj), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
-        return self._finish(x, keep, aux_layers, aux, short)
+            x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
+        return self._finish(x, keep, aux_layers, aux)
 
-    def _finish(self, x: torch.Tensor, keep: torch.Tensor, aux_layers: tuple[int, ...], aux: dict, short: torch.Tensor | None):
-        if self.tile:
-            logits = self._rows(self._logits, x[keep])
-        else:
-            kept_short = None
-            if short is not None:
-                mask = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-                mask[short] = True
-                kept_short = mask[keep].nonzero().flatten()
-            logits = project_short(kept_short, self.lm_head, self.math.rms(x[keep], self.norm)).float()
+    def _finish(self, x: torch.Tensor, keep: torch.Tensor, aux_layers: tuple[int, ...], aux: dict):
+        logits = self._rows(self._logits, x[keep])
         if not aux_layers:
             return logits
         return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)
-
-
-def short_rows(ctx: StepContext, t: int) -> torch.Tensor | None:
-    """The packed rows of a step's decode and verification runs (its groups of short query runs); None
-    where it has none."""
-    rows = [group.rows for group in ctx.groups if group.q_index.shape[1] <= SHORT_RUN]
-    if not rows:
-        return None
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-
-def project_short(short: torch.Tensor | None, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x), except that the rows of decode and verification runs (short) take an a8 projection's
-    packed kernel whatever the step's row count. The route (kernels/routes.py) sends calls of many rows to
-    the dense GEMM, which rounds differently: a token's logits would then depend on whether its step also
-    held a prefill chunk or many other sequences. a8's kernel computes a row alone (integer sums are exact),
-    so a decode or verification row is the same bits in any step; prefill rows keep the faster route."""
-    packed = linear.packed
-    if short is None or packed is None or packed.kernel[0] != "a8" or x.shape[0] <= linear.max_packed_rows:
-        return linear(x)
-    if short.shape[0] == x.shape[0]:
-        return packed(x)
-    y = linear(x)
-    y.index_copy_(0, short, packed(x.index_select(0, short)))
-    return y
