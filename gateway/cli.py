@@ -67,8 +67,8 @@ def _add_serve(sub) -> None:
         default=_env("quantization", engine.quantization),
         choices=QUANTIZATION_MODES,
         help="weights of the projections: auto (default) = the model file's own 4/8-bit blocks where it has "
-        "them, on CPU, times 8-bit activation blocks (a8) where the CPU has VNNI or AMX, else by weight-only "
-        "kernels (int4); a8 = always the former (cheap verification; 8-bit activations round like llama.cpp's)",
+        "them, on CPU; a8 = those blocks times 8-bit activation blocks, as integers (faster "
+        "verification with VNNI or AMX, less accurate)",
     )
     a("--device", default=_env("device", engine.device))
     a("--host", default=_env("host", "127.0.0.1"))

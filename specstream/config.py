@@ -90,12 +90,12 @@ class EngineConfig:
     chat_template: a Jinja file path or inline template that replaces the model's own (needed
     for chat with a model that has none).
     quantization: how the projections' weights are held (kernels/quant.py): "auto" (the default) serves
-    the blocks a GGUF file stores as they are, on CPU (dense on other devices and for other sources): by
-    "a8" where the CPU has integer dot products (AVX512-VNNI, AMX-INT8, AVX-VNNI), else by weight-only
-    kernels; "a8" multiplies the file's 4- and 8-bit blocks by the activations rounded to 8-bit blocks,
-    as integers (llama.cpp's approach: a verification's rows cost about 1.6 decode rows, not 4-5; a
-    decode or verification row's logits do not depend on the other rows of its step: see the README),
-    and rounds other sources' weights to 8-bit blocks; "none" keeps every weight dense as loaded; "int4" /
+    the blocks a GGUF file stores as they are, by weight-only kernels, on CPU (dense on other devices and
+    for other sources); "a8" multiplies the file's 4- and 8-bit blocks by the activations rounded to
+    8-bit blocks, as integers (llama.cpp's approach: a verification's rows cost about 1.6 decode rows, not
+    4-5; a token's logits do not depend on its step, so speculation stays lossless; less accurate in bf16
+    than the weight-only kernels and llama.cpp: see the README), and
+    rounds other sources' weights to 8-bit blocks; "none" keeps every weight dense as loaded; "int4" /
     "int8" quantize every projection (lossy where the source is not 4-bit).
     deterministic: batch- and speculation-invariant numerics (model/runner.py): a token's logits are
     bit-identical whatever else its step computed, so greedy output, and seeded sampling, give

@@ -127,7 +127,7 @@ def _logits_of(e: Engine, schedule: list[int], beside: str = "", prompt_chunks: 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 def test_a8_rows_are_bit_identical_in_any_step_in_bf16(compile):
-    """Under a8 in bf16 (the default where a8 serves), a token's logits are the same bits whether it was decoded
+    """Under a8 in bf16, a token's logits are the same bits whether it was decoded
     alone, verified among 9 or 16 rows, prefilled in a chunk of 20 or 17, in steps beside other sequences'
     verifications or beside a prefill chunk (eager steps of up to 118 rows), after a prompt prefilled whole or in
     two chunks (as after a prefix-cache hit); compiled and eager alike, and the compiled steps equal the eager
@@ -138,7 +138,8 @@ def test_a8_rows_are_bit_identical_in_any_step_in_bf16(compile):
     if not quant.a8_serves(torch.device("cpu")):
         pytest.skip("a8 does not serve on this CPU (no AVX512-VNNI, AMX-INT8 or AVX-VNNI)")
     spec = SpeculativeConfig(method="off")
-    e = Engine(EngineConfig(dtype="bfloat16", compile=compile, compile_in_background=False, speculative=spec), log=False)
+    config = EngineConfig(dtype="bfloat16", quantization="a8", compile=compile, compile_in_background=False, speculative=spec)
+    e = Engine(config, log=False)
     fast = e.runner.fast
     assert {lin.packed.kernel[0] for lin in (fast.lm_head, *[layer[5] for layer in fast.layers])} == {"a8"}
     if compile:

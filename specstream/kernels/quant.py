@@ -10,10 +10,9 @@ dense GEMM wins. Which kernel serves how many rows is measured at start-up for e
 Modes: "none" serves the dense weights as loaded; "int4" holds every projection as groupwise 4-bit
 weights (group 32); "int8" as per-output-channel 8-bit weights; "a8" holds a GGUF file's 4- and 8-bit
 blocks as they are and multiplies them by x rounded to 8-bit blocks, in integers (PackedA8,
-csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first); "auto" is "a8" for a GGUF
-file's blocks where the CPU has an integer dot product (a8_serves), else holds as int4 exactly the
-projections whose source is already 4-bit (a GGUF file's Q4_0/Q4_1 blocks, weights.py) and the rest
-dense, so the weights served are the source's own.
+csrc/a8_linear.cpp; other sources' weights are rounded to 8-bit blocks first; asked for, not the default:
+see the README); "auto" holds as int4 exactly the projections whose source is already 4-bit (a GGUF
+file's Q4_0/Q4_1 blocks, weights.py) and the rest dense, so the weights served are the source's own.
 
 On CPU, where specstream's own kernels build (cpu.py), they serve the blocks instead, with the file's
 weights exactly: 4-bit blocks by q4_linear (PackedQ4), 8-bit blocks (GGUF Q8_0: int8 codes, a scale per
@@ -390,17 +389,6 @@ def a8_serves(device: torch.device) -> bool:
     return any(p in paths[: paths.index(-1)] for p in (2, 3)) or paths[-1] == 1
 
 
-def resolve_mode(mode: str, gguf_path: str | Path | None, device: torch.device) -> str:
-    """The mode that serves: "auto" becomes "a8" for a GGUF file's blocks where a8 serves (a8_serves).
-    A verification's rows then cost about 1.6 decode rows rather than 4-5 (the weight-only kernels read
-    the weights once per row group, a8 once per step), and decode and verification rows stay bit-identical
-    (model/fast_llama.py's project_short), so speculation is lossless under it as under the weight-only
-    kernels."""
-    if mode == "auto" and gguf_path and a8_serves(device):
-        return "a8"
-    return mode
-
-
 def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
     """The int4 form of the source weights of one projection (several parameters fused along N): one
     plane for 4-bit blocks, two for one 8-bit tensor; None where a part has no source blocks, or mixes
@@ -423,7 +411,6 @@ def make_factory(
     starts (kept_weights.py; the caller keys it); found there, the source's blocks are not read at all."""
     if mode == "none":
         return None
-    mode = resolve_mode(mode, gguf_path, device)
     if mode == "auto" and device.type != "cpu":
         return None  # the CUDA int4 kernel path is untested here: auto stays dense on GPUs
     kept = KeptWeights(kept_path, torch.device(device)) if kept_path is not None else None
@@ -445,5 +432,4 @@ def kept_key(device: torch.device) -> list:
     h = hashlib.sha256()
     for module in (__file__, weights_module.__file__, kept_weights_module.__file__):
         h.update(Path(module).read_bytes())
-    on_cpu = torch.device(device).type == "cpu" and cpu_kernels.load()
-    return [on_cpu, on_cpu and a8_serves(device), h.hexdigest()[:16]]
+    return [torch.device(device).type == "cpu" and cpu_kernels.load(), h.hexdigest()[:16]]
