@@ -143,7 +143,8 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
 
 # ----------------------------------------------------------------------------------- servers
 def make_server(spec: str, threads: int) -> Server:
-    """off, ngram, suffix, auto (specstream with that speculative method, default quantization), llama (plain
+    """off, ngram, suffix, auto (specstream with that speculative method, default quantization; QUANTIZATION/METHOD
+    for another quantization, e.g. a8/auto), llama (plain
     llama-server) or llama:<spec-type> (llama-server with --spec-type)."""
     port = free_port()
     if spec.startswith("llama"):
@@ -166,6 +167,7 @@ def make_server(spec: str, threads: int) -> Server:
         if ":" in spec:
             cmd += ["--spec-type", spec.split(":", 1)[1]]
         return Server(spec, cmd, gguf.stem, port)
+    quantization, _, method = spec.rpartition("/")  # QUANTIZATION/METHOD, e.g. a8/auto
     cmd = [
         sys.executable,
         "-m",
@@ -173,8 +175,9 @@ def make_server(spec: str, threads: int) -> Server:
         "serve",
         "--port",
         str(port),
+        *(["--quantization", quantization] if quantization else []),
         "--speculative-method",
-        spec,
+        method,
         "--log-level",
         "warning",
         "--compile-before-serving",

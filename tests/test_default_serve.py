@@ -104,9 +104,14 @@ def test_bf16_answers_agree_with_fp32_where_fp32_is_clear(server):
 def test_chunks_carry_speculation_stats_and_drafts_are_accepted(server):
     url, _ = server
     before = metric(url, "specstream_spec_decode_num_accepted_tokens_total")
-    chunks = stream_chunks(url, PROMPTS[1])  # a copy: drafts are accepted
-    stats = [choice["speculative"] for c in chunks for choice in c.get("choices", []) if "speculative" in choice]
-    assert stats and all({"drafted", "accepted", "tokens"} <= set(s) for s in stats)
+    # A copy: drafts are accepted. The policy prices drafts from step times measured on this machine, so on a
+    # busy one it may not draft the first time; asked again, the suffix cache holds the whole answer.
+    for _ in range(3):
+        chunks = stream_chunks(url, PROMPTS[1])
+        stats = [choice["speculative"] for c in chunks for choice in c.get("choices", []) if "speculative" in choice]
+        assert stats and all({"drafted", "accepted", "tokens"} <= set(s) for s in stats)
+        if sum(s["accepted"] for s in stats) > 0:
+            break
     assert sum(s["accepted"] for s in stats) > 0
     assert metric(url, "specstream_spec_decode_num_accepted_tokens_total") > before
 

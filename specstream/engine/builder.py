@@ -192,6 +192,7 @@ class EngineBuilder:
         choices = routes.settle(
             factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file
         )
+        runner.fast.routes_settled()
         return runner, routes.describe(factory, choices)
 
     def kept_projections(self, source: ModelSource) -> Path | None:

@@ -146,7 +146,8 @@ _EXPLICIT_MAX_SCORES = 2**24
 # another (runner.py).
 SHORT_RUN = 16
 # With specstream's CPU kernel, every group of short runs attends through it, eager or compiled, whatever the
-# step's batch, and so does every prefill group over at most this many keys: a token then attends through the
+# step's batch, and where the projections are row-invariant too (a8: FastLlama's kernel_prefill) so does every
+# prefill group over at most this many keys: a token then attends through the
 # same kernel whether it was decoded, verified, or prefilled in any chunk (a prompt's tail after a prefix-cache
 # hit, a preempted sequence computed again), and the kernel computes a row alone, so its numbers do not depend
 # on the step (kernels/csrc/short_attention.cpp). Longer prefill groups take SDPA, several times faster there
@@ -177,11 +178,13 @@ def attend(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     kernel: bool = False,
+    kernel_prefill: bool = False,
 ) -> torch.Tensor:
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
     ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
     sliding-window layer). Returns [1, heads, T, d]. kernel: groups of short query runs attend with
-    specstream's CPU kernel (loaded by the caller), as the compiled steps do."""
+    specstream's CPU kernel (loaded by the caller), as the compiled steps do; kernel_prefill: so do prefill
+    groups over at most KERNEL_MAX_KEYS keys."""
     pool = ctx.pool
     if ctx.windows is not None:
         ctx.windows[layer] = window
@@ -196,7 +199,7 @@ def attend(
     slot_mapping = ctx.slot_mappings[kv_group]
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
-    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel)
+    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel, kernel_prefill)
     if len(ctx.groups) == 1:
         return _attend_group(ctx, ctx.groups[0], *args).unsqueeze(0)
     out = query.new_empty(query.shape[1:])
@@ -206,12 +209,14 @@ def attend(
     return out.unsqueeze(0)
 
 
-def _attend_group(ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel):
+def _attend_group(
+    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, kernel_prefill
+):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
     view = group.key_view(window, bool(ctx.q_tile), kv_group)
     if kernel and softcap is None and sinks is None and not ctx.q_tile and (
-        group.q_index.shape[1] <= SHORT_RUN or view.kv_index.shape[1] <= KERNEL_MAX_KEYS
+        group.q_index.shape[1] <= SHORT_RUN or kernel_prefill and view.kv_index.shape[1] <= KERNEL_MAX_KEYS
     ):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = torch.ops.specstream.short_attention(
@@ -277,6 +282,7 @@ def attend_short(
     out_index: torch.Tensor,
     scaling: float,
     kernel: bool = False,
+    kernel_prefill: bool = False,
 ) -> torch.Tensor:
     """attend() for a step of one group of short query runs (decoding, verification) over full-context
     layers, as a function of tensors alone, so torch.compile can fuse it into a layer (fast_llama.py):

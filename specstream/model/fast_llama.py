@@ -195,11 +195,25 @@ class FastLlama:
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
+        # Prefill chunks of short prompts attend through the decoding kernel too (see routes_settled).
+        self.kernel_prefill = False
         # The compiled short steps (compiled_steps.CompiledSteps), installed whole once built and warmed up;
         # None: every step runs eager. A thread warming up steps not yet installed sees them through
         # _local (warming()), every other thread sees `steps`.
         self.steps = None
         self._local = threading.local()
+
+    def routes_settled(self) -> None:
+        """Called once the projections' routes are settled (kernels/routes.py). Where every projection computes
+        a row alone at every row count (a8's kernel, no dense route), prefill chunks of short prompts attend
+        through the same kernel as decoding, so that a token's logits do not depend on how its prompt was
+        chunked (a prefix-cache hit, a preemption). Elsewhere the routes break that anyway, and SDPA prefills
+        faster."""
+        projections = [self.lm_head, *(lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5]))]
+        self.kernel_prefill = self.math.attention_kernel and all(
+            isinstance(lin, Linear) and lin.packed is not None and lin.packed.kernel[0] == "a8" and lin.dense is None
+            for lin in projections
+        )
 
     # ------------------------------------------------------------------ compiled steps
     @property
@@ -266,7 +280,16 @@ class FastLlama:
             if i in aux_layers:
                 aux[i] = x
             q, k, v = self._rows(partial(self.math.qkv, layer), x, cos, sin)
-            out = attend(ctx, i, q.transpose(0, 1).unsqueeze(0), k, v, self.math.scaling, kernel=self.math.attention_kernel)
+            out = attend(
+                ctx,
+                i,
+                q.transpose(0, 1).unsqueeze(0),
+                k,
+                v,
+                self.math.scaling,
+                kernel=self.math.attention_kernel,
+                kernel_prefill=self.kernel_prefill,
+            )
             x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
         return self._finish(x, keep, aux_layers, aux)
 
