@@ -282,7 +282,6 @@ def attend_short(
     out_index: torch.Tensor,
     scaling: float,
     kernel: bool = False,
-    kernel_prefill: bool = False,
 ) -> torch.Tensor:
     """attend() for a step of one group of short query runs (decoding, verification) over full-context
     layers, as a function of tensors alone, so torch.compile can fuse it into a layer (fast_llama.py):

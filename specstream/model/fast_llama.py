@@ -166,7 +166,6 @@ class FastLlama:
         self.norm = base.norm.weight
         self.lm_head = linear(["lm_head.weight"], model.lm_head.weight.data)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # Not in invariant mode, whose attention runs in fixed tiles of torch's ops (runner.py).
         kernels = self.embed.device.type == "cpu" and cpu_kernels.load()
         self.math = LayerMath(
             cfg.rms_norm_eps,
@@ -175,6 +174,7 @@ class FastLlama:
             head_dim,
             head_dim**-0.5,
             cfg.intermediate_size,
+            # not in invariant mode, whose attention runs in fixed tiles of torch's ops (runner.py)
             attention_kernel=kernels and not tile and cpu_kernels.fits_head(head_dim),
             norm_kernel=kernels,
         )
