@@ -151,7 +151,7 @@ SHORT_RUN = 16
 # same kernel whether it was decoded, verified, or prefilled in any chunk (a prompt's tail after a prefix-cache
 # hit, a preempted sequence computed again), and the kernel computes a row alone, so its numbers do not depend
 # on the step (kernels/csrc/short_attention.cpp). Longer prefill groups take SDPA, several times faster there
-# (the kernel has no blocking across query rows): at most 1.2x SDPA's prefill time up to 512 tokens.
+# (the kernel has no blocking across query rows, and its cost grows faster with the prompt than SDPA's).
 KERNEL_MAX_KEYS = 512
 
 _local = threading.local()
