@@ -72,6 +72,8 @@ http {{
             proxy_read_timeout 600s;
             proxy_next_upstream error timeout http_502 http_503;
             proxy_next_upstream_tries 2;
+            # Names the replica that answered, so the test can choose session keys that spread.
+            add_header X-Specstream-Upstream $upstream_addr always;
         }}
         location = /_read_body {{ internal; return 204; }}
     }}
@@ -164,12 +166,31 @@ def conversation(c: int, turns: int) -> list[list[dict]]:
     return history
 
 
-async def chat_turn(client: httpx.AsyncClient, url: str, c: int, messages: list[dict]) -> None:
+def spread_keys(lb: str, urls: list[str], n: int) -> list[str]:
+    """n session keys, the i-th routed to replica (i // 2) % 2. Consistent hashing guarantees
+    that a key sticks to one replica, not that a handful of keys spread over two (eight keys
+    all landed on one replica in a CI run), so the keys are chosen by asking nginx where each
+    one goes."""
+    ports = [u.rsplit(":", 1)[1] for u in urls]
+    keys: list[str] = []
+    candidate = 0
+    while len(keys) < n:
+        want = ports[(len(keys) // 2) % 2]
+        key = f"session-{candidate}"
+        candidate += 1
+        r = httpx.get(f"{lb}/health", headers={"X-Session-Id": key}, timeout=10)
+        if r.headers["x-specstream-upstream"].rsplit(":", 1)[1] == want:
+            keys.append(key)
+        assert candidate < 1000, "nginx routed a thousand session keys to one replica"
+    return keys
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, c: int, key: str, messages: list[dict]) -> None:
     body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     # Half the conversations name their session in a header, half in the body's `user`.
-    headers = {"X-Session-Id": f"conversation-{c}"} if c % 2 else {}
+    headers = {"X-Session-Id": key} if c % 2 else {}
     if not c % 2:
-        body["user"] = f"user-{c}"
+        body["user"] = key
     r = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == 200, r.text
 
@@ -177,17 +198,18 @@ async def chat_turn(client: httpx.AsyncClient, url: str, c: int, messages: list[
 def test_conversations_stick_to_the_replica_holding_their_prefix(topology):
     lb, urls, procs = topology
     turns = [conversation(c, 4) for c in range(8)]
+    keys = spread_keys(lb, urls, 8)
 
     async def turn(t: int, alive: list[int]) -> None:
         async with httpx.AsyncClient(timeout=120) as client:
-            await asyncio.gather(*(chat_turn(client, lb, c, turns[c][t]) for c in alive))
+            await asyncio.gather(*(chat_turn(client, lb, c, keys[c], turns[c][t]) for c in alive))
 
     def totals() -> tuple[float, float]:
         return (sum(metric(u, "specstream_prefix_cache_queries_total") for u in urls),
                 sum(metric(u, "specstream_prefix_cache_hits_total") for u in urls))
 
     asyncio.run(turn(0, list(range(8))))
-    assert all(finished_requests(u) > 0 for u in urls)  # the sessions spread over both replicas
+    assert [finished_requests(u) for u in urls] == [4, 4]  # four sessions on each replica, by header and by body
     queried, hit = totals()
     for t in range(1, 4):
         asyncio.run(turn(t, list(range(8))))
