@@ -10,7 +10,8 @@ import pytest
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.calibration import ONLINE_CLIP, SHAPE_BOUND, CostModel
 from specstream.kernels import suffix_tree
-from specstream.spec_decode.auto import Calibration, best_cut
+from specstream.spec_decode.auto import Calibration
+from specstream.spec_decode.policy import best_cut
 
 pytestmark = pytest.mark.skipif(
     not suffix_tree.available(), reason=f"the suffix tree could not be built: {suffix_tree.unavailable_reason()}"

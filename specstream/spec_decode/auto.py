@@ -37,7 +37,7 @@ import torch
 
 from specstream.calibration import CostModel
 from specstream.sequence import Acceptance
-from specstream.spec_decode.policy import best_length, round_rate
+from specstream.spec_decode.policy import best_cut, best_length, round_rate
 from specstream.spec_decode.draft_head import HeadError
 from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
 from specstream.spec_decode.ngram import NgramProposer
@@ -70,22 +70,6 @@ class Calibration:
     def record(self, expected: float, accepted: int, decay: float = DECAY) -> None:
         self.accepted = self.accepted * decay + accepted
         self.expected = self.expected * decay + expected
-
-
-def best_cut(chances: list[float], factor: float, verify: CostModel | None) -> tuple[float, int]:
-    """The best expected rate of a draft whose tokens are reached and accepted with factor * chances[j],
-    over its first m tokens (m >= 1), and that m."""
-    best, best_m, expected = 0.0, 0, 1.0
-    for m, c in enumerate(chances, 1):
-        expected += factor * c
-        rate = round_rate_expected(expected, m, verify)
-        if rate > best:
-            best, best_m = rate, m
-    return best, best_m
-
-
-def round_rate_expected(expected: float, drafts: int, verify: CostModel | None) -> float:
-    return expected / (verify(1 + drafts) if verify is not None else 1.0)
 
 
 @dataclass

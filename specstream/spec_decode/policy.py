@@ -17,7 +17,7 @@ step time by batch size. The clients of this one judgement:
   where they gain the most expected tokens (a_i^(k_i + 1)) while they pay: verification that is
   nearly free gets long drafts, a big batch on a saturated device short ones or none.
 - auto.AutoProposer: the draft head, an n-gram match or no draft, per sequence and round, by
-  round_rate at each method's best length.
+  round_rate at each method's best length, and a suffix draft by best_cut over its own chances.
 - ChainJudge: where an EAGLE head's chain stops, draft by draft, from the head's confidence.
 """
 
@@ -71,6 +71,24 @@ def round_rate(a: float, drafts: int, verify: CostModel | None, step_cost: float
 def best_length(a: float, most: int, verify: CostModel | None, step_cost: float = 0.0) -> tuple[float, int]:
     """The best round_rate over draft lengths 1..most, and that length."""
     return max((round_rate(a, m, verify, step_cost), m) for m in range(1, most + 1))
+
+
+def best_cut(chances: list[float], factor: float, verify: CostModel | None) -> tuple[float, int]:
+    """The best expected rate of a draft whose tokens are reached and accepted with factor * chances[j]
+    (a proposer's own estimates, as suffix decoding's, scaled by how well they have predicted), over its
+    first m tokens (m >= 1), and that m."""
+    best, best_m, expected = 0.0, 0, 1.0
+    for m, c in enumerate(chances, 1):
+        expected += factor * c
+        rate = round_rate_expected(expected, m, verify)
+        if rate > best:
+            best, best_m = rate, m
+    return best, best_m
+
+
+def round_rate_expected(expected: float, drafts: int, verify: CostModel | None) -> float:
+    """Tokens per second of a round expected to emit `expected` tokens from verifying 1 + drafts tokens."""
+    return expected / (verify(1 + drafts) if verify is not None else 1.0)
 
 
 class StepYield:
