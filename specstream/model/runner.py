@@ -63,6 +63,15 @@ class _PendingCompile:
     result: tuple[CompiledSteps | None, str] | None = field(default=None)  # set by the thread as it ends
 
 
+def tree_depths(parents: list[int], root: int = 0) -> list[int]:
+    """Each node's depth in a tree given by parents (an earlier index, or -1): `root` for a node whose
+    parent is -1, its parent's + 1 below."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(root if p < 0 else depths[p] + 1)
+    return depths
+
+
 @dataclass
 class ForwardItem:
     table: list[int]  # the sequence's block table (already reserved for start + len(tokens))
@@ -77,10 +86,7 @@ class ForwardItem:
     def positions(self) -> torch.Tensor:
         if self.parents is None:
             return torch.arange(self.start, self.start + len(self.tokens))
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        return self.start + torch.tensor(depth, dtype=torch.long)
+        return self.start + torch.tensor(tree_depths(self.parents), dtype=torch.long)
 
     def ancestry(self) -> torch.Tensor:
         """[trees] [n, n] bool: row i sees token j (j is i or one of its ancestors)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specstream.model.runner import tree_depths
 from specstream.spec_decode.proposer import Draft
 from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
@@ -175,11 +176,9 @@ def _probabilities(rounds: list[Round], logits: list[torch.Tensor]) -> list[torc
 
 
 def draft_depths(parents: list[int]) -> list[int]:
-    """Each draft's depth: 1 for a token that follows the sequence's last token, its parent's + 1 below."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
+    """Each draft's depth: 1 for a token that follows the sequence's last token, its parent's + 1 below (as the
+    runner places the verified rows: tree_depths)."""
+    return tree_depths(parents, root=1)
 
 
 def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
