@@ -53,6 +53,13 @@ def _add_serve(sub) -> None:
         default=int(_env("suffix_max_cached_requests", spec.suffix_max_cached_requests)),
         help="earlier requests whose outputs suffix decoding (methods suffix, auto) drafts from; oldest dropped first",
     )
+    a(
+        "--no-tree-drafts",
+        action="store_true",
+        default=_env("no_tree_drafts", "") in ("1", "true"),
+        help="verify only chains: the likeliest path where a proposer has several continuations (suffix "
+        "decoding, n-gram lookup's several occurrences)",
+    )
     a("--suffix-max-depth", type=int, default=int(_env("suffix_max_depth", spec.suffix_max_depth)))
     a(
         "--suffix-max-spec-factor",
@@ -176,6 +183,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             suffix_max_spec_factor=args.suffix_max_spec_factor,
             suffix_min_token_prob=args.suffix_min_token_prob,
             suffix_max_cached_requests=args.suffix_max_cached_requests,
+            tree_drafts=not args.no_tree_drafts,
         ),
     )
 

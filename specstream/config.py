@@ -28,7 +28,8 @@ class SpeculativeConfig:
     measured cost of verification; False drafts k_max whenever a proposal exists.
     forced_drafts: draft the tokens a request's grammar forces (structured outputs), on
     top of k and whatever the method ("off" included).
-    tree_drafts: where a proposer has several continuations (suffix decoding), verify them as one tree of
+    tree_drafts: where a proposer has several continuations (suffix decoding; n-gram lookup's several
+    occurrences of the matched suffix under method "ngram"), verify them as one tree of
     drafts in one forward, accepting the longest path the target agrees with (models whose attention is
     all full-context; elsewhere, and for requests under a grammar, the likeliest path as a chain).
     suffix_*: suffix decoding's (method "suffix", and auto's) tree depth (the longest match plus draft),

@@ -594,10 +594,13 @@ def test_serve_flags_reach_the_engine_config():
             "--seed",
             "7",
             "--no-prefix-caching",
+            "--no-tree-drafts",
         ]
     )
     config = engine_config(args)
+    assert not config.speculative.tree_drafts
     assert config.allow_special_tokens_in_content and config.max_prompt_chars == 1000 and config.seed == 7
     assert not config.enable_prefix_caching
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert not defaults.allow_special_tokens_in_content and defaults.max_prompt_chars is None
+    assert defaults.speculative.tree_drafts

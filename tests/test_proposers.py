@@ -22,3 +22,31 @@ def test_ngram_respects_min_n_and_k():
 
 def test_ngram_without_any_match_proposes_nothing():
     assert NgramProposer(1, 4).lookup([1, 2, 3, 4], 5) == []
+
+
+def test_ngram_tree_merges_the_continuations_of_every_occurrence_best_first():
+    # [2, 3] occurred at 1, 6 and 11, followed by 5 6 1, 5 7 4 and 8 0 2.
+    tokens = [9, 2, 3, 5, 6, 1, 2, 3, 5, 7, 4, 2, 3, 8, 0, 2, 3]
+    draft = NgramProposer(1, 2, trees=True).draft_tree(tokens, 4)
+    # 5 (two of three), then the shallower 8, then among the depth-2 nodes the most recently seen first.
+    assert (draft.tokens, draft.parents) == ([5, 8, 0, 7], [-1, -1, 1, 0])
+    assert draft.chances == [2 / 3, 1 / 3, 1 / 3, 1 / 3]
+    assert draft.method == "ngram"
+    full = NgramProposer(1, 2, trees=True).draft_tree(tokens, 16)
+    continuations = [tokens[h + 2 : h + 18] for h in (1, 6, 11)]
+    paths = {}
+    for i, parent in enumerate(full.parents):
+        paths[i] = (paths[parent] if parent >= 0 else []) + [full.tokens[i]]
+        # every node lies on some occurrence's continuation, and no path is drafted twice
+        assert any(c[: len(paths[i])] == paths[i] for c in continuations)
+    assert len({tuple(p) for p in paths.values()}) == len(full.tokens) == 16
+    # Without trees, the chain after the latest occurrence, as before.
+    assert NgramProposer(1, 2).lookup(tokens, 3) == [8, 0, 2]
+
+
+def test_ngram_tree_of_one_occurrence_is_the_chain():
+    p = NgramProposer(1, 3, trees=True)
+    tokens = [1, 2, 3, 4, 5, 9, 7, 2, 3, 4]
+    draft = p.draft_tree(tokens, 3)
+    assert not draft.is_tree and draft.tokens == p.lookup(tokens, 3) == [5, 9, 7]
+    assert p.draft_tree([1, 2, 3, 4], 5).tokens == []

@@ -218,3 +218,28 @@ def test_suffix_trees_through_the_engine_equal_plain_greedy_and_seeded(tiny_mode
         expected = [o.token_ids for o in plain.generate(prompts, params)]
         for _ in range(2):  # the second time, the global cache holds the first answers: deep trees
             assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+
+
+def test_ngram_trees_through_the_engine_equal_plain_greedy_and_seeded(tiny_model_dir):
+    config = dict(model=str(tiny_model_dir), dtype="float32")
+    plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
+    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=False)),
+                  log=False)
+    assert spec.proposer.trees
+    trees = []
+    propose = spec.proposer.propose
+
+    def counting(seqs, ks):
+        drafts = propose(seqs, ks)
+        trees.extend(d for d in drafts if d.is_tree)
+        return drafts
+
+    spec.proposer.propose = counting
+    # Repeated pairs with different continuations: several occurrences disagree, so drafts branch.
+    prompts = [[5, 17, 42, 9, 5, 17, 8, 11, 5, 17, 42, 3, 5, 17], [7, 8, 9, 1, 7, 8, 2, 7, 8, 9, 4, 7, 8]]
+    for params in (SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                   [SamplingParams(max_tokens=32, temperature=0.9, seed=s, ignore_eos=True) for s in range(2)]):
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+        assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert trees
+    assert spec.pool.num_free_blocks == spec.pool.num_blocks

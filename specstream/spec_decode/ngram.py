@@ -1,31 +1,101 @@
-"""Prompt lookup (n-gram): drafts copied from where the sequence's latest tokens occurred before."""
+"""Prompt lookup (n-gram): drafts copied from where the sequence's latest tokens occurred before.
+
+As a chain (the default where trees are not verified, and auto's n-gram draft): what followed the latest
+earlier occurrence of the longest suffix that matched. As a tree (where the target verifies trees,
+ProposerContext.trees): the continuations of the matched suffix's most recent occurrences (up to
+MAX_OCCURRENCES), merged where they agree, each node carrying its estimated chance (the share of the
+occurrences that went on that way). The tree is grown best first: by chance, then the shallower node,
+then the one seen most recently; so with one occurrence, or where they all agree, it is the chain.
+"""
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 
 from specstream.spec_decode.proposer import Draft, Proposer, ProposerContext
 
+MAX_OCCURRENCES = 32  # the most recent occurrences of the matched suffix a tree is grown from
+
 
 class NgramProposer(Proposer):
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n from max_n down to min_n) and propose the tokens that followed it."""
+    """Prompt lookup: find the earlier occurrences of the sequence's last n tokens (n from max_n down to
+    min_n) and propose the tokens that followed them: the latest one's as a chain, or all of theirs as a
+    tree where trees are verified."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, trees: bool = False) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.trees = trees
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> NgramProposer:
-        return cls(ctx.config.speculative.ngram_min, ctx.config.speculative.ngram_max)
+        return cls(ctx.config.speculative.ngram_min, ctx.config.speculative.ngram_max, ctx.trees)
 
     def propose(self, seqs, ks):
-        return [Draft(self.lookup(s.token_ids, k), method="ngram") if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+        draft = self.draft_tree if self.trees else lambda tokens, k: Draft(self.lookup(tokens, k), method="ngram")
+        return [draft(s.token_ids, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.match(tokens, k)[0]
 
     def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """(up to k proposed tokens, length of the suffix that matched; 0 when none did)."""
+        arr, hits, n = self._occurrences(tokens)
+        if not n:
+            return [], 0
+        start = int(hits[-1]) + n
+        return arr[start : start + k].tolist(), n
+
+    def draft_tree(self, tokens: list[int], k: int) -> Draft:
+        """Up to k nodes grown best first from the continuations of the matched suffix's most recent
+        occurrences (a chain where they agree)."""
+        arr, hits, n = self._occurrences(tokens)
+        if not n:
+            return Draft([])
+        hits = hits[-MAX_OCCURRENCES:]
+        # A trie of the continuations: node -> [token, parent node, count, most recent occurrence, depth].
+        nodes: list[list[int]] = []
+        children: dict[tuple[int, int], int] = {}
+        for occurrence, hit in enumerate(hits.tolist()):
+            parent = -1
+            for depth, tok in enumerate(arr[hit + n : hit + n + k].tolist(), 1):
+                node = children.get((parent, tok))
+                if node is None:
+                    node = children[(parent, tok)] = len(nodes)
+                    nodes.append([tok, parent, 0, 0, depth])
+                nodes[node][2] += 1
+                nodes[node][3] = occurrence
+                parent = node
+        by_parent: dict[int, list[int]] = {}
+        for node, (_, parent, *_rest) in enumerate(nodes):
+            by_parent.setdefault(parent, []).append(node)
+        total = len(hits)
+
+        def entry(node: int) -> tuple[float, int, int, int]:
+            _, _, count, recent, depth = nodes[node]
+            return (-count / total, depth, -recent, node)
+
+        heap = [entry(c) for c in by_parent.get(-1, [])]
+        heapq.heapify(heap)
+        out_tokens: list[int] = []
+        parents: list[int] = []
+        chances: list[float] = []
+        index: dict[int, int] = {}  # trie node -> its index in the draft
+        while heap and len(out_tokens) < k:
+            neg_chance, _, _, node = heapq.heappop(heap)
+            tok, parent = nodes[node][0], nodes[node][1]
+            index[node] = len(out_tokens)
+            out_tokens.append(tok)
+            parents.append(-1 if parent < 0 else index[parent])
+            chances.append(-neg_chance)
+            for child in by_parent.get(node, []):
+                heapq.heappush(heap, entry(child))
+        return Draft(out_tokens, None, "ngram", chances=chances, parents=parents)
+
+    def _occurrences(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """(the tokens, the start of every earlier occurrence of the longest suffix of n tokens that occurred
+        before, oldest first; n, or 0 where none did)."""
         arr = np.asarray(tokens, dtype=np.int64)
         length = len(arr)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -34,6 +104,5 @@ class NgramProposer(Proposer):
             windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start : start + k].tolist(), n
-        return [], 0
+                return arr, hits, n
+        return arr, np.empty(0, dtype=np.int64), 0
