@@ -144,7 +144,7 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
 # ----------------------------------------------------------------------------------- servers
 def make_server(spec: str, threads: int) -> Server:
     """off, ngram, suffix, auto (specstream with that speculative method, default quantization; QUANTIZATION/METHOD
-    for another quantization, e.g. a8/auto), llama (plain
+    for another quantization, e.g. a8/auto; METHOD:chains with --no-tree-drafts, e.g. ngram:chains), llama (plain
     llama-server) or llama:<spec-type> (llama-server with --spec-type)."""
     port = free_port()
     if spec.startswith("llama"):
@@ -168,6 +168,9 @@ def make_server(spec: str, threads: int) -> Server:
             cmd += ["--spec-type", spec.split(":", 1)[1]]
         return Server(spec, cmd, gguf.stem, port)
     quantization, _, method = spec.rpartition("/")  # QUANTIZATION/METHOD, e.g. a8/auto
+    method, _, shape = method.partition(":")  # METHOD:chains
+    if shape not in ("", "chains"):
+        raise SystemExit(f"unknown server {spec!r}: METHOD or METHOD:chains")
     cmd = [
         sys.executable,
         "-m",
@@ -181,6 +184,7 @@ def make_server(spec: str, threads: int) -> Server:
         "--log-level",
         "warning",
         "--compile-before-serving",
+        *(["--no-tree-drafts"] if shape == "chains" else []),
     ]
     return Server(f"specstream {spec}", cmd, "smollm2-135m", port)
 

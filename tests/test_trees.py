@@ -243,3 +243,37 @@ def test_ngram_trees_through_the_engine_equal_plain_greedy_and_seeded(tiny_model
         assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert trees
     assert spec.pool.num_free_blocks == spec.pool.num_blocks
+
+
+def test_walk_to_a_leaf_is_no_rejection_for_the_k_policy(tiny_model_dir):
+    """A tree whose accepted path ends at a leaf left only side branches behind: the k policy's acceptance
+    (geometric along one path) sees every draft on the path accepted and no rejection."""
+    config = dict(model=str(tiny_model_dir), dtype="float32")
+    plain = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="off")), log=False)
+    prompt = [5, 17, 42, 9, 100, 7, 33]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = prompt + plain.generate([prompt], params)[0].token_ids
+    seen = []
+
+    class Siblings(Proposer):
+        def propose(self, seqs, ks):
+            seen.extend((s.acceptance.accepted, s.acceptance.rejected) for s in seqs)
+            out = []
+            for seq in seqs:
+                right = full[len(seq.token_ids)]
+                out.append(Draft([(right + 1) % 300, right], parents=[-1, -1], method="test"))
+            return out
+
+    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False)),
+                  log=False)
+    spec.proposer = Siblings()
+    spec.proposer.lookup = None
+    out = spec.generate([prompt], params)[0]
+    assert prompt + out.token_ids == full
+    assert out.stats.drafted == 2 * out.stats.accepted > 0  # one of each two siblings accepted, every round
+    assert seen[-1][0] > 0 and all(rejected == 0 for _, rejected in seen)
+    (tree,) = verify_round([Round(_seq(SamplingParams(temperature=0)), Draft([1, 2], parents=[-1, -1]), _logits_picking({0: 1}, 3))])
+    assert tree.path == [0] and tree.at_leaf
+    (chain,) = verify_round([Round(_seq(SamplingParams(temperature=0)), Draft([1, 2, 3], parents=[-1, 0, 0]),
+                                   _logits_picking({0: 1, 1: 7}, 4))])
+    assert chain.path == [0] and not chain.at_leaf  # row 1 has children (2, 3) and wanted 1

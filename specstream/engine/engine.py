@@ -366,7 +366,11 @@ class Engine:
         # Accepted drafts cut off by a stop or the length limit were never emitted.
         accepted = min(result.num_accepted, len(new))
         forced = rnd.draft.num_forced
-        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced)
+        # The k policy's acceptance is geometric along one path: a chain round saw a rejection unless every
+        # draft was accepted; [trees] a tree round, unless its walk ended at a leaf (side branches left behind
+        # are not rejections of the path it took).
+        ended = accepted == rnd.k if result.path is None else result.at_leaf and accepted == result.num_accepted
+        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced, rejected=not ended)
         logits = rnd.logits if result.path is None else rnd.logits[result.rows()]  # the emitted tokens' rows
         chunk = self._chunk(seq, new, rnd.k, accepted, logits, forced, rnd.draft.method if rnd.k else "")
         if seq.finish_reason is not None:
@@ -401,10 +405,14 @@ class Engine:
         decoding: bool,
         method: str,
         num_forced: int = 0,
+        rejected: bool | None = None,
     ) -> None:
         seq.stats.record(num_drafted, num_accepted, num_forced)
         if decoding:  # [structured] the k policy learns from the proposer's own drafts only
-            record_round(seq, *proposer_share(num_drafted, num_accepted, num_forced))
+            drafted, accepted = proposer_share(num_drafted, num_accepted, num_forced)
+            if rejected is not None and drafted:
+                drafted = accepted + int(rejected)  # one path: its accepted drafts, then the rejection if any
+            record_round(seq, drafted, accepted)
         self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced, decoding)
 
     @staticmethod

@@ -107,6 +107,7 @@ class RoundResult:
     num_accepted: int  # drafts the target kept
     tokens: list[int]  # to emit: the accepted drafts, then the recovered or bonus token
     path: list[int] | None = None  # [trees] the accepted drafts' indices, root first (None: the first num_accepted)
+    at_leaf: bool = False  # [trees] the walk ended at a leaf: no draft on its path was rejected
 
     def rows(self) -> list[int]:
         """The round's logits rows of the emitted tokens: row 0, then the row after each accepted draft."""
@@ -200,7 +201,7 @@ def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
     while (j := children.get(row, {}).get(choice[row])) is not None:
         path.append(j)
         row = j + 1
-    return RoundResult(len(path), [r.draft.tokens[j] for j in path] + [choice[row]], path)
+    return RoundResult(len(path), [r.draft.tokens[j] for j in path] + [choice[row]], path, row not in children)
 
 
 def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
