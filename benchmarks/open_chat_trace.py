@@ -267,7 +267,7 @@ def main() -> None:
         for s in servers:
             print(f"starting {s.label}", file=sys.stderr, flush=True)
             s.proc = subprocess.Popen(
-                s.cmd, stdout=open(out / f"{s.label.replace(' ', '_')}.log", "w"), stderr=subprocess.STDOUT
+                s.cmd, stdout=open(out / (s.label.replace(' ', '_').replace('/', '-') + '.log'), "w"), stderr=subprocess.STDOUT
             )
             wait_up(s.url, s.proc, timeout=1800)
         for s in servers:  # warm: the first part of every workload, greedy, 8 at a time; not measured
