@@ -370,7 +370,7 @@ class Engine:
         # draft was accepted; [trees] a tree round, unless its walk ended at a leaf (side branches left behind
         # are not rejections of the path it took).
         ended = accepted == rnd.k if result.path is None else result.at_leaf and accepted == result.num_accepted
-        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, forced, rejected=not ended)
+        self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, not ended, forced)
         logits = rnd.logits if result.path is None else rnd.logits[result.rows()]  # the emitted tokens' rows
         chunk = self._chunk(seq, new, rnd.k, accepted, logits, forced, rnd.draft.method if rnd.k else "")
         if seq.finish_reason is not None:
@@ -404,13 +404,13 @@ class Engine:
         num_emitted: int,
         decoding: bool,
         method: str,
+        rejected: bool,
         num_forced: int = 0,
-        rejected: bool | None = None,
     ) -> None:
         seq.stats.record(num_drafted, num_accepted, num_forced)
         if decoding:  # [structured] the k policy learns from the proposer's own drafts only
             drafted, accepted = proposer_share(num_drafted, num_accepted, num_forced)
-            if rejected is not None and drafted:
+            if drafted:
                 drafted = accepted + int(rejected)  # one path: its accepted drafts, then the rejection if any
             record_round(seq, drafted, accepted)
         self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced, decoding)

@@ -57,6 +57,7 @@ class NgramProposer(Proposer):
         # A trie of the continuations: node -> [token, parent node, count, most recent occurrence, depth].
         nodes: list[list[int]] = []
         children: dict[tuple[int, int], int] = {}
+        by_parent: dict[int, list[int]] = {}
         for occurrence, hit in enumerate(hits.tolist()):
             parent = -1
             for depth, tok in enumerate(arr[hit + n : hit + n + k].tolist(), 1):
@@ -64,12 +65,10 @@ class NgramProposer(Proposer):
                 if node is None:
                     node = children[(parent, tok)] = len(nodes)
                     nodes.append([tok, parent, 0, 0, depth])
+                    by_parent.setdefault(parent, []).append(node)
                 nodes[node][2] += 1
                 nodes[node][3] = occurrence
                 parent = node
-        by_parent: dict[int, list[int]] = {}
-        for node, (_, parent, *_rest) in enumerate(nodes):
-            by_parent.setdefault(parent, []).append(node)
         total = len(hits)
 
         def entry(node: int) -> tuple[float, int, int, int]:
