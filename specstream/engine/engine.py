@@ -366,10 +366,10 @@ class Engine:
         # Accepted drafts cut off by a stop or the length limit were never emitted.
         accepted = min(result.num_accepted, len(new))
         forced = rnd.draft.num_forced
-        # The k policy's acceptance is geometric along one path: a chain round saw a rejection unless every
-        # draft was accepted; [trees] a tree round, unless its walk ended at a leaf (side branches left behind
-        # are not rejections of the path it took).
-        ended = accepted == rnd.k if result.path is None else result.at_leaf and accepted == result.num_accepted
+        # The k policy's acceptance is geometric along one path: a round saw a rejection unless its walk ended
+        # at a leaf (a chain's last draft; [trees] side branches left behind are not rejections of the path it
+        # took) and nothing accepted was cut off by a stop.
+        ended = result.at_leaf and accepted == result.num_accepted
         self._record(seq, rnd.k, accepted, len(new), decoding, rnd.draft.method, not ended, forced)
         logits = rnd.logits if result.path is None else rnd.logits[result.rows()]  # the emitted tokens' rows
         chunk = self._chunk(seq, new, rnd.k, accepted, logits, forced, rnd.draft.method if rnd.k else "")

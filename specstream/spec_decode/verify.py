@@ -107,7 +107,7 @@ class RoundResult:
     num_accepted: int  # drafts the target kept
     tokens: list[int]  # to emit: the accepted drafts, then the recovered or bonus token
     path: list[int] | None = None  # [trees] the accepted drafts' indices, root first (None: the first num_accepted)
-    at_leaf: bool = False  # [trees] the walk ended at a leaf: no draft on its path was rejected
+    at_leaf: bool = False  # no draft on the round's path was rejected: the walk ended at a leaf (a chain's last draft)
 
     def rows(self) -> list[int]:
         """The round's logits rows of the emitted tokens: row 0, then the row after each accepted draft."""
@@ -139,7 +139,7 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
             group = [rounds[i] for i in idx]
             num_accepted, next_token = verify(group, [inputs[i] for i in idx])
             for i, r, a, t in zip(idx, group, num_accepted.tolist(), next_token.tolist()):
-                results[i] = RoundResult(a, r.draft.tokens[:a] + [t])
+                results[i] = RoundResult(a, r.draft.tokens[:a] + [t], at_leaf=a == r.k)
     return results
 
 
