@@ -232,6 +232,23 @@ async def run_cell(
         return total / (time.perf_counter() - start)
 
 
+def save_rounds(server: Server, out: Path) -> None:
+    """Keep the server's /metrics (warm-up and every cell together) and print its rounds and emitted tokens by
+    drafting method: what each server's speculation did, beside its speed."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    (out / (server.label.replace(" ", "_").replace("/", "-") + ".metrics")).write_text(text)
+    counts: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for name, key in (("specstream_spec_decode_rounds_total{", "rounds"), ("specstream_spec_decode_emitted_tokens_total{", "tokens")):
+            if line.startswith(name) and 'method="' in line:
+                method = line.split('method="', 1)[1].split('"', 1)[0]
+                counts.setdefault(method, {})[key] = float(line.rsplit(" ", 1)[1])
+    summary = ", ".join(
+        f"{m} {c.get('rounds', 0):.0f} rounds / {c.get('tokens', 0):.0f} tokens" for m, c in sorted(counts.items())
+    )
+    print(f"{server.label} rounds by method: {summary}", file=sys.stderr, flush=True)
+
+
 # ----------------------------------------------------------------------------------- the grid
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,7 +266,7 @@ def main() -> None:
     p.add_argument("--measured", type=int, default=40, help="conversations of each workload measured per cell")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--passes", type=int, choices=[1, 2], default=2, help="2: ABBA")
+    p.add_argument("--passes", type=int, default=2, help="passes per cell, each server in turn, the order reversed every other pass (2: ABBA)")
     p.add_argument("--out", default="bench-results/open-chat-trace")
     args = p.parse_args()
 
@@ -285,11 +302,15 @@ def main() -> None:
                         f"the {w} trace has too few conversations for its cells; lower --measured or --warm"
                     )
                 for s in servers if p % 2 == 0 else servers[::-1]:
+                    # Untimed, a few short turns first: a server idle while the others ran is slower at first.
+                    asyncio.run(run_cell(s, trace[w][:streams], streams, 8, temperature))
                     rate = asyncio.run(run_cell(s, measured, streams, args.max_tokens, temperature))
                     s.results.setdefault((w, streams, temperature), []).append(rate)
                     print(f"{s.label} {w} x{streams} T={temperature}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         for s in servers:
             s.rss_mib, s.peak_mib = s.memory_mib(), s.memory_mib("VmHWM")
+            if s.label.startswith("specstream"):
+                save_rounds(s, out)
     finally:
         for s in servers:
             if s.proc is not None:
