@@ -2,7 +2,7 @@
 
 from specstream.calibration import CostModel
 from specstream.sequence import Acceptance
-from specstream.spec_decode.policy import KPolicy, acceptance_estimate, record_round
+from specstream.spec_decode.policy import KPolicy, SharedAcceptance, acceptance_estimate, record_round, sampling_bucket
 from specstream.sampling import SamplingParams
 from specstream.sequence import Sequence
 
@@ -157,3 +157,32 @@ def test_a_timing_kept_on_another_cpu_is_never_read(default_model_source, monkey
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     more_threads = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
     assert here is not None and len({here, there, more_threads}) == 3 and here.parent == there.parent
+
+
+def test_new_sequences_start_from_what_drafts_like_theirs_were_accepted_lately():
+    """At a high temperature drafts are accepted far less often than the fixed prior says: once other
+    requests' rounds showed it, a new request there starts from their record and drafts nothing on a CPU-like
+    curve, while a new greedy request still starts from the fixed prior and drafts."""
+    policy = KPolicy(8, True, CostModel([1, 9], [0.05, 0.08]), lambda n: 0.0)
+    hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0)
+    assert sampling_bucket(hot) == "T1" and sampling_bucket(cold) == "greedy"
+    assert sampling_bucket(SamplingParams(temperature=0.7)) == sampling_bucket(SamplingParams(temperature=0.8)) == "T0.75"
+    fresh = lambda params: Sequence("new", [1, 2, 3], params, 0)  # noqa: E731
+    assert policy.choose([fresh(hot)], 1, 100)[0] > 0  # nothing recorded yet: the fixed prior
+    for i in range(60):
+        policy.record(Sequence(str(i), [1, 2, 3], hot, i), 4, 0)  # every draft rejected at once
+    assert policy.estimate(fresh(hot)) < 0.1
+    assert policy.choose([fresh(hot)], 1, 100) == [0]
+    assert policy.choose([fresh(cold)], 1, 100)[0] > 0
+
+
+def test_the_shared_record_fades_back_to_the_fixed_prior_as_rounds_pass():
+    """A kind of draft found poor is tried again later: its shared record fades with every round recorded."""
+    shared = SharedAcceptance(weight=4.0, decay=0.99)
+    for _ in range(50):
+        shared.record("ngram", "T1", 0.0, 1.0)
+    assert shared.prior("ngram", "T1", 0.5) < 0.1
+    assert shared.prior("ngram", "greedy", 0.5) == 0.5 and shared.prior("head", "T1", 0.6) == 0.6
+    for _ in range(1000):
+        shared.tick()
+    assert shared.prior("ngram", "T1", 0.5) > 0.45

@@ -442,6 +442,12 @@ class _StubHead:
     def pass_cost(self, num_seqs: int) -> float:
         return self.step_seconds
 
+    def begin_step(self, base) -> None:
+        self.base = base
+
+    def catch_up_cost(self, seq) -> float:
+        return getattr(self, "pending_seconds", 0.0)
+
     def propose(self, seqs, ks):
         self.asked.extend(ks)
         return [Draft([0] * k, None, "head") for k in ks]
@@ -473,6 +479,34 @@ def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
     copy = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4]  # a long match in the prompt
     assert choose(0.4, [0.010, 0.030], copy)[1] == "ngram"
 
+
+
+def test_auto_prices_drafts_at_the_margin_of_the_step_they_join():
+    """A head draft that pays for a lone sequence (a second row costs a tenth of the first) does not pay on top
+    of a step of 8 decoding sequences, where the 9th row costs half of one sequence's share of the step: auto
+    prices each draft by what it adds to the step the engine said it joins (begin_step), once."""
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+    from specstream.spec_decode.policy import StepBase
+
+    head = _StubHead(0.0)
+    auto = AutoProposer(head, NgramProposer(1, 4), head_prior=0.5)
+    auto.target_cost = CostModel([1, 2, 8, 9, 16], [0.010, 0.011, 0.020, 0.0235, 0.040])
+    fresh = Sequence("s", list(range(40, 60)), SamplingParams(temperature=0), arrival=0)
+    auto.begin_step(StepBase(8, 8.0))
+    auto.propose([fresh], [1])
+    assert head.asked == []  # 8.5 tokens / 0.0235 s is below 8 / 0.020 s
+    auto.propose([fresh], [1])  # no step announced: priced as the step's only sequence
+    assert head.asked == [1]  # 1.5 tokens / 0.011 s beats 1 / 0.010 s
+    # Prefill rows in the step make its drafts nearly free: 1 decoding sequence beside a 15-token chunk.
+    auto.begin_step(StepBase(16, 1.0))
+    auto.propose([fresh], [1])
+    assert head.asked == [1, 1] and head.base == StepBase(16, 1.0)  # the head's chain is judged in that step
+    # A head that has not drafted for this sequence in a while first feeds it every row since: priced too.
+    head.pending_seconds = 0.005
+    auto.propose([fresh], [1])
+    assert head.asked == [1, 1]
 
 
 def test_auto_drafts_an_ngram_match_as_ngram_does_and_costs_the_k_policy_no_head_step():
@@ -524,6 +558,13 @@ def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     # Verification as cheap for 9 rows as for 1: any chance pays.
     flat = ChainJudge(CostModel([1, 9], [0.010, 0.010]), None, 2)
     assert all(flat.keep(i, 0.01) for i in (0, 1, 0, 1))
+    # On top of a step of 8 sequences (8 tokens / 0.022 s), a draft's row must bring more than alone.
+    from specstream.spec_decode.policy import StepBase
+
+    assert ChainJudge(steep, None, 1).keep(0, 0.3)  # 0.3 tokens for 0.002 s beats 1 / 0.010 s
+    crowded = ChainJudge(steep, None, 1, StepBase(8, 8.0))
+    assert crowded.rows == 8 and not crowded.keep(0, 0.3)  # but not 8 / 0.024 s
+    assert crowded.keep(0, 0.95)
 
 
 def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_drafts(trained, target_dir, chats):

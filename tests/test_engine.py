@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.spec_decode.policy import StepBase
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -423,3 +424,21 @@ def test_a_draft_model_catches_up_within_the_step_budget(tiny_model_dir, tiny_dr
     assert drafted == [0, 0, 0, 0, 3, 3]
     assert max(fed) <= 8
     e.proposer.release(seq)
+
+
+def test_the_proposer_is_told_the_step_its_drafts_join(tiny_model_dir):
+    """Each drafting step, before propose(), the proposer learns the step's rows before drafts (every decoding
+    sequence's next token and the prefill chunks beside them) and the tokens it emits without drafts."""
+    e = engine(tiny_model_dir, "ngram", k=3)
+    bases = []
+    e.proposer.begin_step = bases.append
+    e.add_request(list(range(5, 25)) * 2, GREEDY)
+    for _ in range(3):
+        e.step()
+    e.add_request(list(range(60, 90)), GREEDY)  # its prompt is prefilled beside the first one's decoding
+    e.step()
+    while e.has_unfinished():
+        e.step()
+    assert bases and bases[0] == StepBase(1, 1.0)
+    assert StepBase(1 + 30, 1.0) in bases  # the second prompt's 30 tokens, in one chunk, beside one decoder
+    assert StepBase(2, 2.0) in bases

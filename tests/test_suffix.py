@@ -11,7 +11,7 @@ from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.calibration import ONLINE_CLIP, SHAPE_BOUND, CostModel
 from specstream.kernels import suffix_tree
 from specstream.spec_decode.auto import Calibration
-from specstream.spec_decode.policy import best_cut
+from specstream.spec_decode.policy import StepBase, StepPrice, best_cut
 
 pytestmark = pytest.mark.skipif(
     not suffix_tree.available(), reason=f"the suffix tree could not be built: {suffix_tree.unavailable_reason()}"
@@ -196,11 +196,12 @@ def test_suffix_is_refused_clearly_where_its_tree_cannot_be_built(monkeypatch):
 def test_auto_cuts_a_suffix_draft_where_its_rows_stop_paying():
     # Verification grows steeply with rows: only the first, likely drafts pay.
     steep = CostModel([1, 2, 3, 4, 8], [1.0, 1.1, 1.2, 2.4, 4.8])
-    rate, m = best_cut([0.95, 0.9, 0.4, 0.2, 0.1], 1.0, steep)
+    alone = StepBase.alone(1)
+    rate, m = best_cut([0.95, 0.9, 0.4, 0.2, 0.1], 1.0, StepPrice(steep, alone))
     assert m == 2 and rate == pytest.approx((1 + 0.95 + 0.9) / steep(3))
     # Free verification: every draft pays.
     flat = CostModel([1, 8], [1.0, 1.0])
-    assert best_cut([0.95, 0.9, 0.4, 0.2, 0.1], 1.0, flat)[1] == 5
+    assert best_cut([0.95, 0.9, 0.4, 0.2, 0.1], 1.0, StepPrice(flat, alone))[1] == 5
     # Chances that overstated acceptance are scaled down by the sequence's own record.
     cal = Calibration()
     assert cal.factor() == 1.0  # no record yet: the chances as they are
@@ -210,7 +211,7 @@ def test_auto_cuts_a_suffix_draft_where_its_rows_stop_paying():
     for _ in range(20):
         cal.record(expected=4.0, accepted=0)
     assert cal.factor() < 0.1
-    assert best_cut([0.95, 0.9, 0.4], cal.factor(), steep)[0] < 1 / steep(1)  # plain decoding wins
+    assert best_cut([0.95, 0.9, 0.4], cal.factor(), StepPrice(steep, alone))[0] < 1 / steep(1)  # plain decoding wins
 
 
 def test_the_forward_time_curve_follows_the_steps_the_engine_runs():

@@ -30,7 +30,7 @@ from specstream.sequence import Sequence
 from specstream.errors import InvalidRequestError
 from specstream.model.runner import ForwardItem
 from specstream.sampling import SamplingParams
-from specstream.spec_decode.policy import record_round
+from specstream.spec_decode.policy import StepBase
 from specstream.spec_decode.proposer import Draft
 from specstream.spec_decode.verify import Round, RoundResult, verify_round
 from specstream.structured.decoding import proposer_share
@@ -271,10 +271,12 @@ class Engine:
     def _draft(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         if not any(plan.ks):
             return plan.decodes, [Draft([]) for _ in plan.decodes], []
+        base = StepBase(plan.base_tokens, float(len(plan.decodes)))
+        self.proposer.begin_step(base)
         try:
             drafts = self.proposer.propose(plan.decodes, plan.ks)
         except Exception:  # noqa: BLE001 - find the sequence it belongs to
-            return self._propose_one_by_one(plan.decodes, plan.ks)
+            return self._propose_one_by_one(plan.decodes, plan.ks, base)
         return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
 
     # [structured] what forced drafts beyond k need: KV room and the step's spare token budget
@@ -286,7 +288,7 @@ class Engine:
         return max(self.config.max_num_batched_tokens - used, 0)
 
     def _propose_one_by_one(
-        self, seqs: list[Sequence], ks: list[int]
+        self, seqs: list[Sequence], ks: list[int], base: StepBase
     ) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         # The failed pass may have left the proposer's state half-advanced: start it afresh.
         for seq in seqs:
@@ -294,6 +296,8 @@ class Engine:
         decodes, drafts, failed = [], [], []
         for seq, k in zip(seqs, ks):
             try:
+                if k:
+                    self.proposer.begin_step(base)
                 draft = self.proposer.propose([seq], [k])[0] if k else Draft([])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed.append(self._fail(seq, exc))
@@ -412,7 +416,7 @@ class Engine:
             drafted, accepted = proposer_share(num_drafted, num_accepted, num_forced)
             if drafted:
                 drafted = accepted + int(rejected)  # one path: its accepted drafts, then the rejection if any
-            record_round(seq, drafted, accepted)
+            self.policy.record(seq, drafted, accepted)
         self.metrics.record_round(num_drafted, num_accepted, num_emitted, method, num_forced, decoding)
 
     @staticmethod

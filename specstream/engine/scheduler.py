@@ -42,6 +42,11 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    @property
+    def base_tokens(self) -> int:
+        """The tokens the step's forward feeds before drafts: each decoder's next token and the prefill chunks."""
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: KVPool, policy: KPolicy, on_release) -> None:
@@ -124,8 +129,7 @@ class Scheduler:
             # Prefilling sequences filled the pool between them: make room for the oldest.
             self._preempt_newest()
             return self.schedule()
-        base = len(plan.decodes) + sum(n for _, n in plan.prefills)
-        plan.ks = self.policy.choose(plan.decodes, base, budget)
+        plan.ks = self.policy.choose(plan.decodes, plan.base_tokens, budget)
         for i, seq in enumerate(plan.decodes):
             while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i], seq.num_cached):
                 plan.ks[i] -= 1

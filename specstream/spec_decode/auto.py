@@ -1,22 +1,33 @@
-"""AutoProposer: per sequence and per round, the draft head's chain or an n-gram match.
+"""AutoProposer: per sequence and per round, a suffix draft, the draft head's chain or an n-gram match.
 
-The head is picked where it is expected to emit more tokens per second of the round's cost than
-both the n-gram match and plain decoding: a round drafting m tokens accepted independently with
-probability a emits (1 - a^(m+1)) / (1 - a) tokens; it costs the target's verification of 1 + m
-tokens, plus m head steps for the head (n-gram lookup is free). Each method is judged at its best
-length m (at most the round's k, and for n-gram the match's length): where verifying costs much
-more than decoding (the int4 kernel on a CPU grows with the rows it multiplies), a weak head's long
-chain loses to a short one, and to no draft at all. Each method's a is the sequence's own decayed
-history for that method, starting from a prior: the head's held-out acceptance from its training
-report, and for n-gram a prior that grows with the length of the matched suffix (a long match in
-the prompt is usually a copy, and copying is where n-gram wins). Once the head is picked, its
-chain's length is the head's own call, draft by draft (policy.ChainJudge: a draft is verified
-only while the head's confidence in it pays for its row).
+Every choice is priced at the margin of the step the drafts join (policy.StepPrice, from the StepBase the
+engine hands over before each propose): the step's expected tokens per second once the draft joins it, a
+draft costing the rows it adds to the step's forward plus the head's steps. On top of 8 decoding
+sequences a verified row is priced against 8 tokens' share of the step, not one: a draft that pays for a
+lone sequence may not pay there. Sequences are priced in turn, each on top of the choices before it.
 
-Where the head is not picked, an n-gram match drafts exactly as under method "ngram": the k
-policy (policy.KPolicy) has already weighed drafting against plain decoding from the sequence's
-own acceptance, and charges auto's drafts no head step (the head's steps are priced here). So
-auto drafts at least what "ngram" does, and differs only where the head is expected to do better.
+A round drafting m tokens accepted independently with probability a emits E(m) = (1 - a^(m+1)) / (1 - a)
+tokens. Each method is judged at its best length m (at most the round's k, and for n-gram the match's
+length): where verifying costs much more than decoding (the int4 kernel on a CPU grows with the rows it
+multiplies), a weak head's long chain loses to a short one, and to no draft at all. Each method's a is the
+sequence's own decayed history for that method, starting from a prior: the head's held-out acceptance from
+its training report, and for n-gram a prior that grows with the length of the matched suffix (a long match
+in the prompt is usually a copy, and copying is where n-gram wins). Once the head is picked, its chain's
+length is the head's own call, draft by draft (policy.ChainJudge, at the margin of the same step without
+the head's own estimates: a draft is verified only while the head's confidence in it pays for its row).
+
+A sequence's history starts from a prior, and the prior is what drafts of that method were accepted lately
+across all sequences of the same sampling bucket (policy.SharedAcceptance: greedy, or about the same
+temperature), itself pulled toward the fixed priors above while it is thin: at T=1 a one-hot draft is
+accepted with the target's probability of it, a fifth of the time rather than half, and a new request learns
+that from the requests before it instead of from its own losing rounds. The head's price includes feeding it
+the rows it has not seen (EagleProposer.catch_up_cost): a sequence that has not drafted with the head for a
+while pays a pass over all of them before its first draft.
+
+Where neither the suffix draft nor the head is picked, an n-gram match drafts exactly as under method
+"ngram": the k policy (policy.KPolicy) has already weighed drafting against plain decoding from the
+sequence's own acceptance, and charges auto's drafts no head step (the head's steps are priced here). So
+auto drafts at least what "ngram" does, and differs only where another method is expected to do better.
 
 Suffix decoding (suffix.py) drafts with an estimated chance for each token (how often the matched text
 went on that way before: the chance that the token is reached and accepted). Its round is priced from
@@ -24,8 +35,9 @@ those chances, scaled by how well they have predicted this sequence's acceptance
 ratio of accepted drafts to the chances' sum, starting at 1): verifying its first m drafts is expected
 to emit 1 + f * (c_1 + ... + c_m) tokens (for a tree too: a node is accepted exactly when the path to
 it is, so the expected accepted length is the sum of its nodes' chances), and it is cut at the m with
-the best rate: a tree's first m nodes, grown best first, are its likeliest. It is picked where that rate beats the others' (and plain
-decoding's); where the suffix tree cannot be built here, auto goes on without it.
+the best step rate: a tree's first m nodes, grown best first, are its likeliest. It is picked where that
+rate beats the others' (and plain decoding's); where the suffix tree cannot be built here, auto goes on
+without it.
 """
 
 from __future__ import annotations
@@ -37,7 +49,15 @@ import torch
 
 from specstream.calibration import CostModel
 from specstream.sequence import Acceptance
-from specstream.spec_decode.policy import best_cut, best_length, round_rate
+from specstream.spec_decode.policy import (
+    SharedAcceptance,
+    StepBase,
+    StepPrice,
+    best_cut,
+    best_length,
+    expected_tokens,
+    sampling_bucket,
+)
 from specstream.spec_decode.draft_head import HeadError
 from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
 from specstream.spec_decode.ngram import NgramProposer
@@ -64,8 +84,8 @@ class Calibration:
     accepted: float = 0.0
     expected: float = 0.0
 
-    def factor(self, weight: float = PRIOR_WEIGHT) -> float:
-        return (self.accepted + weight) / (self.expected + weight)
+    def factor(self, weight: float = PRIOR_WEIGHT, start: float = 1.0) -> float:
+        return (self.accepted + start * weight) / (self.expected + weight)
 
     def record(self, expected: float, accepted: int, decay: float = DECAY) -> None:
         self.accepted = self.accepted * decay + accepted
@@ -78,6 +98,7 @@ class _SeqChoice:
     ngram: Acceptance
     suffix: Calibration = field(default_factory=Calibration)
     last_method: str = ""
+    last_kind: str = ""  # last_method's key in the shared record (an n-gram match's by its length)
     last_expected: float = 0.0  # the suffix draft's sum of chances
     last_drafted: int = 0  # seq.stats totals when the last draft was handed out
     last_accepted: int = 0
@@ -99,6 +120,9 @@ class AutoProposer(Proposer):
         self.target_cost: CostModel | None = None  # set by calibrate()
         self.lookup = ngram.lookup
         self._seqs: dict[str, _SeqChoice] = {}
+        self._base: StepBase | None = None  # the step the next propose() joins (begin_step)
+        # Every sequence's rounds by method and sampling bucket: the prior of a sequence with little history.
+        self.shared = SharedAcceptance()
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> AutoProposer:
@@ -133,13 +157,10 @@ class AutoProposer(Proposer):
     def pass_cost(self, num_seqs: int) -> float:
         """A draft's proposal cost as the k policy (policy.KPolicy) sees it before auto picks a
         method: nothing. An n-gram lookup is free, and the head's steps are priced here, per sequence
-        and round, where the head is weighed against the n-gram match and plain decoding (_rate).
+        and round, where the head is weighed against the other methods and plain decoding (propose).
         Charging every draft a head step there would grant n-gram matches shorter drafts, or none,
         than plain `ngram` gets."""
         return 0.0
-
-    def _head_step_cost(self) -> float:
-        return self.head.pass_cost(1) if self.head is not None else 0.0
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         if self.head is not None:
@@ -153,59 +174,78 @@ class AutoProposer(Proposer):
             self.suffix.release(seq)
 
     def on_commit(self, seq: Sequence) -> None:
+        self.shared.tick()
         choice = self._seqs.get(seq.request_id)
         if choice is None or not choice.last_method:
             return
         drafted = seq.stats.drafted - choice.last_drafted
         accepted = seq.stats.accepted - choice.last_accepted
+        bucket = sampling_bucket(seq.params)
         if choice.last_method == "suffix":
             choice.suffix.record(choice.last_expected, accepted)
+            self.shared.record("suffix", bucket, accepted, choice.last_expected - accepted)
         else:
             getattr(choice, choice.last_method).record(drafted, accepted, DECAY)
+            self.shared.record(choice.last_kind, bucket, accepted, float(accepted < drafted))
         choice.last_method = ""
+
+    def begin_step(self, base: StepBase) -> None:
+        self._base = base
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         head_ks = [0] * len(seqs)
-        fallback: dict[int, Draft] = {}  # the n-gram draft of a sequence the head's chain may decline
+        fallback: dict[int, tuple[Draft, str]] = {}  # the n-gram draft (and kind) of a sequence the head's chain may decline
+        # The step the drafts join: each sequence's choice is priced at its margin, after the choices before it.
+        base, self._base = self._base or StepBase.alone(len(seqs)), None
+        price = StepPrice(self.target_cost, base)
+        head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
+        head_step = self._head_step_cost()
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
             choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance(), Acceptance()))
+            bucket = sampling_bucket(seq.params)
             tokens, n = self.ngram.match(seq.token_ids, k)
-            plain = self._rate(0.0, 0, head=False)
-            ngram_rate, ngram_m = (
-                self._best(choice.ngram.estimate(NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG), PRIOR_WEIGHT), len(tokens), head=False)
-                if tokens
-                else (0.0, 0)
-            )
+            plain = price.rate()
+            ngram_kind = f"ngram{min(n, 4)}"
+            ngram_prior = self.shared.prior(ngram_kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
+            ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
+            ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
+            head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
             head_rate, head_m = (
-                self._best(choice.head.estimate(self.head_prior, PRIOR_WEIGHT), k, head=True) if self.head is not None else (0.0, 0)
+                best_length(head_a, k, price, head_step, self.head.catch_up_cost(seq)) if self.head is not None else (0.0, 0)
             )
             suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
-            suffix_rate, suffix_m = (
-                best_cut(suffix_draft.chances, choice.suffix.factor(), self.target_cost) if suffix_draft.tokens else (0.0, 0)
-            )
+            factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
+            suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
             if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
                 drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
                 choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
+                price.add(factor * choice.last_expected, suffix_m)
             elif head_m and head_rate > plain and head_rate > ngram_rate:
                 # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
                 # up to k; without it, at the length best for the sequence's acceptance so far.
                 head_ks[i] = k if self.head.target_cost is not None else head_m
-                choice.last_method = "head"
+                choice.last_method = choice.last_kind = "head"
+                gain = expected_tokens(head_a, head_m) - 1.0
+                price.add(gain, head_m, head_m * head_step + self.head.catch_up_cost(seq))
+                head_rows, head_gain = head_rows + head_m, head_gain + gain
                 if tokens:
-                    fallback[i] = Draft(tokens, None, "ngram")
+                    fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
             elif tokens:
                 # Not the head: the match drafts as under method "ngram", all of it up to the k that the
                 # policy granted from the sequence's own acceptance (which weighs drafting against plain
                 # decoding). Judged again here by a prior per match length, short matches that pay would
                 # be declined.
                 drafts[i] = Draft(tokens, None, "ngram")
-                choice.last_method = "ngram"
+                choice.last_method, choice.last_kind = "ngram", ngram_kind
+                price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
+            # The head's chains are judged draft by draft against the step without the head's own estimates.
+            self.head.begin_step(StepBase(price.rows - head_rows, price.step.expected - head_gain))
             for i, d in zip(idx, self.head.propose([seqs[i] for i in idx], [head_ks[i] for i in idx])):
                 if d.tokens:
                     drafts[i] = d
@@ -215,16 +255,12 @@ class AutoProposer(Proposer):
                 # match, where there is one worth verifying, drafts instead.
                 choice = self._seqs[seqs[i].request_id]
                 choice.head.record(1, 0, DECAY)
+                self.shared.record("head", sampling_bucket(seqs[i].params), 0.0, 1.0)
                 choice.last_method = ""
                 if i in fallback:
-                    drafts[i] = fallback[i]
+                    drafts[i], choice.last_kind = fallback[i]
                     choice.last_method = "ngram"
         return drafts
 
-    def _rate(self, a: float, drafts: int, head: bool) -> float:
-        """Expected tokens per second of one sequence's round drafting `drafts` tokens."""
-        return round_rate(a, drafts, self.target_cost, self._head_step_cost() if head else 0.0)
-
-    def _best(self, a: float, most: int, head: bool) -> tuple[float, int]:
-        """The best expected rate over draft lengths 1..most, and that length."""
-        return best_length(a, most, self.target_cost, self._head_step_cost() if head else 0.0)
+    def _head_step_cost(self) -> float:
+        return self.head.pass_cost(1) if self.head is not None else 0.0

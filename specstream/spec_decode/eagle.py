@@ -34,7 +34,7 @@ import torch
 from specstream.calibration import CostModel, throwaway_tables
 from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
 from specstream.memory.kv import KVPool
-from specstream.spec_decode.policy import ChainJudge
+from specstream.spec_decode.policy import ChainJudge, StepBase
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
 from specstream.sequence import Sequence
@@ -110,6 +110,7 @@ class EagleProposer(Proposer):
         # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
         self.target_cost: CostModel | None = None
         self._state: dict[str, _HeadState] = {}
+        self._base: StepBase | None = None  # the step the next propose() joins (begin_step)
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> EagleProposer:
@@ -160,12 +161,25 @@ class EagleProposer(Proposer):
             self.pool.free(state.table)
 
     # ------------------------------------------------------------------ drafting
+    def catch_up_cost(self, seq: Sequence) -> float:
+        """Seconds the head spends before seq's first draft feeding the target's rows it has not seen, beyond
+        the one row a round drafting every step feeds (a sequence that has not drafted for a while piles them
+        up: its first draft then costs a pass over all of them)."""
+        state = self._state.get(seq.request_id)
+        if state is None or self.cost is None or state.num_pending <= 1:
+            return 0.0
+        return max(self.cost(state.num_pending) - self.cost(1), 0.0)
+
+    def begin_step(self, base: StepBase) -> None:
+        self._base = base
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None, "eagle") for _ in seqs]
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
         if not active:
             return drafts
-        judge = ChainJudge(self.target_cost, self.cost, len(seqs)) if self.target_cost is not None else None
+        base, self._base = self._base, None
+        judge = ChainJudge(self.target_cost, self.cost, len(seqs), base) if self.target_cost is not None else None
         logits, hidden = self._catch_up([seqs[i] for i in active])
         step = 0
         while True:

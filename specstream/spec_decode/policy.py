@@ -16,8 +16,9 @@ step time by batch size. The clients of this one judgement:
 - KPolicy: each sequence's k for a round (the scheduler asks it). Drafts are added one at a time
   where they gain the most expected tokens (a_i^(k_i + 1)) while they pay: verification that is
   nearly free gets long drafts, a big batch on a saturated device short ones or none.
-- auto.AutoProposer: the draft head, an n-gram match or no draft, per sequence and round, by
-  round_rate at each method's best length, and a suffix draft by best_cut over its own chances.
+- auto.AutoProposer: the draft head, a suffix draft, an n-gram match or no draft, per sequence and round,
+  by the rate of the step the drafts join (StepPrice) at each method's best length (best_length, and
+  best_cut over a suffix draft's own chances).
 - ChainJudge: where an EAGLE head's chain stops, draft by draft, from the head's confidence.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from specstream.calibration import CostModel
@@ -47,12 +49,71 @@ class Drafting(Protocol):
     params: SamplingParams
 
 
-def acceptance_estimate(seq: Drafting) -> float:
-    return seq.acceptance.estimate(PRIOR_ACCEPT, PRIOR_WEIGHT)
+def acceptance_estimate(seq: Drafting, prior: float = PRIOR_ACCEPT) -> float:
+    return seq.acceptance.estimate(prior, PRIOR_WEIGHT)
 
 
 def record_round(seq: Drafting, drafted: int, accepted: int) -> None:
     seq.acceptance.record(drafted, accepted, DECAY_DRAFTING if drafted else DECAY_IDLE)
+
+
+# The shared record (SharedAcceptance): its pull toward the fixed prior, in drafts, and how fast it fades,
+# per decoding round recorded (about the last thousand rounds count).
+SHARED_WEIGHT = 4.0
+SHARED_DECAY = 0.999
+
+
+def sampling_bucket(params: SamplingParams) -> str:
+    """Requests whose drafts are accepted alike: greedy, or sampled at about the same temperature (a one-hot
+    draft is accepted with the target's probability of it, which falls as the temperature rises)."""
+    if params.greedy:
+        return "greedy"
+    return f"T{min(round(params.temperature * 4) / 4, 2.0):g}"
+
+
+class SharedAcceptance:
+    """What drafts of each kind were accepted lately across all sequences, by sampling bucket: the prior of a
+    sequence with little history of its own. Without it each new request starts from a fixed prior, and at a
+    high temperature (drafts accepted a fifth of the time, not half) every request pays for a few losing
+    rounds before its own history says so. The counts fade with every round recorded, drafting or not, so a
+    kind found poor drifts back to the fixed prior and is tried again, once the fixed prior says it pays."""
+
+    def __init__(self, weight: float = SHARED_WEIGHT, decay: float = SHARED_DECAY) -> None:
+        self.weight = weight
+        self.decay = decay
+        self.rounds = 0
+        self._by: dict[tuple[str, str], tuple[Acceptance, int]] = {}
+
+    def tick(self) -> None:
+        """One decoding round passed."""
+        self.rounds += 1
+
+    def _record(self, key: tuple[str, str]) -> Acceptance | None:
+        entry = self._by.get(key)
+        if entry is None:
+            return None
+        record, last = entry
+        if last != self.rounds:
+            fade = self.decay ** (self.rounds - last)
+            record.accepted *= fade
+            record.rejected *= fade
+            self._by[key] = (record, self.rounds)
+        return record
+
+    def prior(self, kind: str, bucket: str, default: float) -> float:
+        """The estimate for drafts of `kind` in `bucket`: the shared record, pulled toward `default`."""
+        record = self._record((kind, bucket))
+        return default if record is None else record.estimate(default, self.weight)
+
+    def record(self, kind: str, bucket: str, accepted: float, rejected: float) -> None:
+        """A round's drafts of `kind`: `accepted` of them, and `rejected` (1 where the round ended in a rejection;
+        for a proposer's own chances, their sum less the accepted drafts)."""
+        record = self._record((kind, bucket))
+        if record is None:
+            record = Acceptance()
+            self._by[(kind, bucket)] = (record, self.rounds)
+        record.accepted += accepted
+        record.rejected += rejected
 
 
 def expected_tokens(a: float, m: int) -> float:
@@ -60,35 +121,38 @@ def expected_tokens(a: float, m: int) -> float:
     return float(m + 1) if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a)
 
 
-def round_rate(a: float, drafts: int, verify: CostModel | None, step_cost: float = 0.0) -> float:
-    """Expected tokens per second of one sequence's round drafting `drafts` tokens: the target verifies
-    1 + drafts tokens, and the drafter takes `drafts` steps of step_cost seconds. Without a cost curve
-    every verification costs one unit."""
-    seconds = verify(1 + drafts) if verify is not None else 1.0
-    return expected_tokens(a, drafts) / (seconds + drafts * step_cost)
+def best_length(a: float, most: int, price: StepPrice, step_cost: float = 0.0, fixed: float = 0.0) -> tuple[float, int]:
+    """The best step rate (StepPrice.rate) over draft lengths 1..most of drafts each accepted with probability
+    a, each also costing a drafter step of step_cost seconds, all of them `fixed` seconds more, and that length."""
+    return max((price.rate(expected_tokens(a, m) - 1.0, m, m * step_cost + fixed), m) for m in range(1, most + 1))
 
 
-def best_length(a: float, most: int, verify: CostModel | None, step_cost: float = 0.0) -> tuple[float, int]:
-    """The best round_rate over draft lengths 1..most, and that length."""
-    return max((round_rate(a, m, verify, step_cost), m) for m in range(1, most + 1))
-
-
-def best_cut(chances: list[float], factor: float, verify: CostModel | None) -> tuple[float, int]:
-    """The best expected rate of a draft whose tokens are reached and accepted with factor * chances[j]
-    (a proposer's own estimates, as suffix decoding's, scaled by how well they have predicted), over its
-    first m tokens (m >= 1), and that m."""
-    best, best_m, expected = 0.0, 0, 1.0
+def best_cut(chances: list[float], factor: float, price: StepPrice) -> tuple[float, int]:
+    """The best step rate of a draft whose tokens are reached and accepted with factor * chances[j] (a
+    proposer's own estimates, as suffix decoding's, scaled by how well they have predicted), over its first
+    m tokens (m >= 1), and that m."""
+    best, best_m, gain = 0.0, 0, 0.0
     for m, c in enumerate(chances, 1):
-        expected += factor * c
-        rate = round_rate_expected(expected, m, verify)
+        gain += factor * c
+        rate = price.rate(gain, m)
         if rate > best:
             best, best_m = rate, m
     return best, best_m
 
 
-def round_rate_expected(expected: float, drafts: int, verify: CostModel | None) -> float:
-    """Tokens per second of a round expected to emit `expected` tokens from verifying 1 + drafts tokens."""
-    return expected / (verify(1 + drafts) if verify is not None else 1.0)
+@dataclass(frozen=True)
+class StepBase:
+    """The step a round's drafts join, before any draft: the rows its forward feeds (each decoding sequence's
+    next token and every prefill chunk) and the tokens it emits (one per decoding sequence). The engine hands
+    it to the proposer each step (Proposer.begin_step): a draft's price is what it adds to this step."""
+
+    rows: int
+    expected: float
+
+    @classmethod
+    def alone(cls, num_seqs: int) -> StepBase:
+        """A step of num_seqs decoding sequences and nothing else (a proposer called outside a step)."""
+        return cls(num_seqs, float(num_seqs))
 
 
 class StepYield:
@@ -107,6 +171,38 @@ class StepYield:
         self.seconds += seconds
 
 
+class StepPrice:
+    """A step being built from its StepBase: drafts are priced at its margin, the rows they add to the forward
+    (on the target's forward-time curve, at the step's size: a row costs more on top of 8 sequences than on top
+    of 1) plus any drafter time, against the tokens they are expected to add. Without a curve a forward costs
+    one unit whatever its rows."""
+
+    def __init__(self, verify: CostModel | None, base: StepBase) -> None:
+        self.verify = verify
+        self.rows = base.rows
+        self.step = StepYield(base.expected, self._seconds(base.rows))
+
+    def _seconds(self, rows: int) -> float:
+        return self.verify(rows) if self.verify is not None else 1.0
+
+    def added(self, rows: int, extra: float = 0.0) -> float:
+        """Seconds that `rows` more rows and `extra` seconds of drafting add to the step."""
+        return self._seconds(self.rows + rows) - self._seconds(self.rows) + extra
+
+    def rate(self, gain: float = 0.0, rows: int = 0, extra: float = 0.0) -> float:
+        """The step's expected tokens per second with `gain` more expected tokens from `rows` more rows and
+        `extra` seconds of drafting (all zero: the step as it is)."""
+        return (self.step.expected + gain) / (self.step.seconds + self.added(rows, extra))
+
+    def add(self, gain: float, rows: int, extra: float = 0.0) -> None:
+        self.step.add(gain, self.added(rows, extra))
+        self.rows += rows
+
+    @property
+    def base(self) -> StepBase:
+        return StepBase(self.rows, self.step.expected)
+
+
 class KPolicy:
     """k for each decoding sequence of a step. Without a cost curve (or adaptive=False) every sequence
     drafts its cap, within the step's budget."""
@@ -116,6 +212,18 @@ class KPolicy:
         self.adaptive = adaptive and target_cost is not None
         self.target_cost = target_cost
         self.draft_pass_cost = draft_pass_cost
+        self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
+
+    def estimate(self, seq: Drafting) -> float:
+        """seq's acceptance: its own record, pulled toward what drafts like its were accepted lately."""
+        return acceptance_estimate(seq, self.shared.prior("any", sampling_bucket(seq.params), PRIOR_ACCEPT))
+
+    def record(self, seq: Drafting, drafted: int, accepted: int) -> None:
+        """A decoding round of seq drafted `drafted` tokens along one path, `accepted` of them accepted."""
+        record_round(seq, drafted, accepted)
+        self.shared.tick()
+        if drafted:
+            self.shared.record("any", sampling_bucket(seq.params), accepted, float(accepted < drafted))
 
     def choose(self, seqs: list[Drafting], base_tokens: int, budget: int) -> list[int]:
         """k for each sequence; base_tokens are the step's tokens without drafts, budget the
@@ -129,7 +237,7 @@ class KPolicy:
                 ks.append(min(cap, left))
                 left -= ks[-1]
             return ks
-        alphas = [acceptance_estimate(s) for s in seqs]
+        alphas = [self.estimate(s) for s in seqs]
         ks = [0] * len(seqs)
         step = StepYield(float(len(seqs)), self.target_cost(base_tokens))
         tokens, drafting, max_k = base_tokens, 0, 0
@@ -164,11 +272,14 @@ class ChainJudge:
     less likely still); a first draft not kept leaves the sequence decoding plainly this round.
     """
 
-    def __init__(self, verify: CostModel, head_pass: CostModel | None, num_seqs: int) -> None:
+    def __init__(self, verify: CostModel, head_pass: CostModel | None, num_seqs: int, base: StepBase | None = None) -> None:
+        """num_seqs: the sequences drafting; base: the step their drafts join (by default, theirs alone: each
+        verifies its own next token)."""
+        base = base or StepBase.alone(num_seqs)
         self.verify = verify
         self.head_pass = head_pass
-        self.rows = num_seqs  # each sequence verifies at least its own next token
-        self.step = StepYield(float(num_seqs), verify(num_seqs))
+        self.rows = base.rows
+        self.step = StepYield(base.expected, verify(base.rows))
         self.chance = [1.0] * num_seqs
         self.step_share = 0.0
 

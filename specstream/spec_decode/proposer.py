@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specstream.calibration import CostModel
+from specstream.spec_decode.policy import StepBase
 from specstream.config import EngineConfig
 from specstream.sequence import Sequence
 from specstream.sampling import STREAM_DRAFT, probabilities_for, sample_from, uniform
@@ -112,6 +113,11 @@ class Proposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
+
+    def begin_step(self, base: StepBase) -> None:
+        """The step the next propose()'s drafts join (its rows and tokens before any draft): a proposer that
+        prices its drafts prices them at this step's margin. Without it, propose() prices them as if its
+        sequences were the step's only ones."""
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """The target is fed these prefill chunks (sequence, length) this step: a proposer
