@@ -21,8 +21,10 @@ across all sequences of the same sampling bucket (policy.SharedAcceptance: greed
 temperature), itself pulled toward the fixed priors above while it is thin: at T=1 a one-hot draft is
 accepted with the target's probability of it, a fifth of the time rather than half, and a new request learns
 that from the requests before it instead of from its own losing rounds. The head's price includes feeding it
-the rows it has not seen (EagleProposer.catch_up_cost: its prompt, the rounds since it last drafted), spread
-over the head rounds left in the request, which that one pass serves.
+the rows it has not seen (EagleProposer.catch_up_cost): a sequence that has not drafted with the head for a
+while pays a pass over all of them before its first draft, its prompt's rows included. Spreading that pass
+over the head rounds left in the request (it serves all of them) was tried and measured worse: the head's
+rounds came back and did not pay (README, the open-chat trace).
 
 Where neither the suffix draft nor the head is picked, an n-gram match drafts exactly as under method
 "ngram": the k policy (policy.KPolicy) has already weighed drafting against plain decoding from the
@@ -71,8 +73,6 @@ logger = logging.getLogger(__name__)
 NGRAM_PRIOR = {1: 0.15, 2: 0.35, 3: 0.55}
 NGRAM_PRIOR_LONG = 0.7
 HEAD_PRIOR = 0.6
-# The tokens a request without a resolved limit is taken to have left (the head's catch-up is spread over them).
-UNBOUNDED_ANSWER = 1024
 # A method's acceptance: the prior's weight in drafts, and how fast its history fades.
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
@@ -215,8 +215,9 @@ class AutoProposer(Proposer):
             ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
             ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
             head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
-            catch_up = self._catch_up_share(seq, head_a)
-            head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
+            head_rate, head_m = (
+                best_length(head_a, k, price, head_step, self.head.catch_up_cost(seq)) if self.head is not None else (0.0, 0)
+            )
             suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
             factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
             suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
@@ -230,7 +231,7 @@ class AutoProposer(Proposer):
                 head_ks[i] = k if self.head.target_cost is not None else head_m
                 choice.last_method = choice.last_kind = "head"
                 gain = expected_tokens(head_a, head_m) - 1.0
-                price.add(gain, head_m, head_m * head_step + catch_up)
+                price.add(gain, head_m, head_m * head_step + self.head.catch_up_cost(seq))
                 head_rows, head_gain = head_rows + head_m, head_gain + gain
                 if tokens:
                     fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
@@ -265,14 +266,3 @@ class AutoProposer(Proposer):
 
     def _head_step_cost(self) -> float:
         return self.head.pass_cost(1) if self.head is not None else 0.0
-
-    def _catch_up_share(self, seq: Sequence, head_a: float) -> float:
-        """This round's share of feeding the head the rows of seq it has not seen (its prompt, the rounds since
-        it last drafted): paid once, it serves every head round left in the request, so it is spread over
-        them (the tokens left to generate over a head round's expected tokens at one draft); priced whole
-        in a round, a prompt's rows would keep the head from ever being picked."""
-        if self.head is None:
-            return 0.0
-        left = seq.max_tokens - seq.num_output_tokens if seq.max_tokens is not None else UNBOUNDED_ANSWER
-        rounds_left = max(left, 1) / (1.0 + head_a)
-        return self.head.catch_up_cost(seq) / max(rounds_left, 1.0)
