@@ -215,9 +215,8 @@ class AutoProposer(Proposer):
             ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
             ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
             head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
-            head_rate, head_m = (
-                best_length(head_a, k, price, head_step, self.head.catch_up_cost(seq)) if self.head is not None else (0.0, 0)
-            )
+            catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
+            head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
             suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
             factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
             suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
@@ -231,7 +230,7 @@ class AutoProposer(Proposer):
                 head_ks[i] = k if self.head.target_cost is not None else head_m
                 choice.last_method = choice.last_kind = "head"
                 gain = expected_tokens(head_a, head_m) - 1.0
-                price.add(gain, head_m, head_m * head_step + self.head.catch_up_cost(seq))
+                price.add(gain, head_m, head_m * head_step + catch_up)
                 head_rows, head_gain = head_rows + head_m, head_gain + gain
                 if tokens:
                     fallback[i] = Draft(tokens, None, "ngram"), ngram_kind

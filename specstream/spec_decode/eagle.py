@@ -175,10 +175,10 @@ class EagleProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None, "eagle") for _ in seqs]
+        base, self._base = self._base, None  # this step's only: a later call without begin_step prices alone
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
         if not active:
             return drafts
-        base, self._base = self._base, None
         judge = ChainJudge(self.target_cost, self.cost, len(seqs), base) if self.target_cost is not None else None
         logits, hidden = self._catch_up([seqs[i] for i in active])
         step = 0
