@@ -122,7 +122,6 @@ class AutoProposer(Proposer):
         self.target_cost: CostModel | None = None  # set by calibrate()
         self.lookup = ngram.lookup
         self._seqs: dict[str, _SeqChoice] = {}
-        self._base: StepBase | None = None  # the step the next propose() joins (begin_step)
         # Every sequence's rounds by method and sampling bucket: the prior of a sequence with little history.
         self.shared = SharedAcceptance()
 
@@ -191,16 +190,12 @@ class AutoProposer(Proposer):
             self.shared.record(choice.last_kind, bucket, accepted, float(accepted < drafted))
         choice.last_method = ""
 
-    def begin_step(self, base: StepBase) -> None:
-        self._base = base
-
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         head_ks = [0] * len(seqs)
         fallback: dict[int, tuple[Draft, str]] = {}  # the n-gram draft (and kind) of a sequence the head's chain may decline
         # The step the drafts join: each sequence's choice is priced at its margin, after the choices before it.
-        base, self._base = self._base or StepBase.alone(len(seqs)), None
-        price = StepPrice(self.target_cost, base)
+        price = StepPrice(self.target_cost, self.take_step_base(len(seqs)))
         head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
         head_step = self._head_step_cost()
         for i, (seq, k) in enumerate(zip(seqs, ks)):

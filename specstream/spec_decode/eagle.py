@@ -34,7 +34,7 @@ import torch
 from specstream.calibration import CostModel, throwaway_tables
 from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
 from specstream.memory.kv import KVPool
-from specstream.spec_decode.policy import ChainJudge, StepBase
+from specstream.spec_decode.policy import ChainJudge
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
 from specstream.sequence import Sequence
@@ -110,7 +110,6 @@ class EagleProposer(Proposer):
         # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
         self.target_cost: CostModel | None = None
         self._state: dict[str, _HeadState] = {}
-        self._base: StepBase | None = None  # the step the next propose() joins (begin_step)
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> EagleProposer:
@@ -170,12 +169,9 @@ class EagleProposer(Proposer):
             return 0.0
         return max(self.cost(state.num_pending) - self.cost(1), 0.0)
 
-    def begin_step(self, base: StepBase) -> None:
-        self._base = base
-
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None, "eagle") for _ in seqs]
-        base, self._base = self._base, None  # this step's only: a later call without begin_step prices alone
+        base = self.take_step_base(len(seqs))
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
         if not active:
             return drafts

@@ -198,10 +198,6 @@ class StepPrice:
         self.step.add(gain, self.added(rows, extra))
         self.rows += rows
 
-    @property
-    def base(self) -> StepBase:
-        return StepBase(self.rows, self.step.expected)
-
 
 class KPolicy:
     """k for each decoding sequence of a step. Without a cost curve (or adaptive=False) every sequence

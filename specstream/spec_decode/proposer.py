@@ -114,10 +114,19 @@ class Proposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
 
+    _step_base: StepBase | None = None  # set by begin_step, taken by the next propose (take_step_base)
+
     def begin_step(self, base: StepBase) -> None:
         """The step the next propose()'s drafts join (its rows and tokens before any draft): a proposer that
         prices its drafts prices them at this step's margin. Without it, propose() prices them as if its
         sequences were the step's only ones."""
+        self._step_base = base
+
+    def take_step_base(self, num_seqs: int) -> StepBase:
+        """For propose(): the step begin_step announced, once (a later call without one prices its num_seqs
+        sequences as the step's only ones)."""
+        base, self._step_base = self._step_base or StepBase.alone(num_seqs), None
+        return base
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """The target is fed these prefill chunks (sequence, length) this step: a proposer
