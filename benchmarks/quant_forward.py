@@ -1,6 +1,7 @@
 """Forward time of the lean forward per quantization mode, side by side in one process (ABBA order),
-at the step shapes that matter: a decode step (1 row), a verification (9 rows), a batch of 8 decodes
-(8 rows), a prefill chunk (256 rows), each over a 256-token context.
+at the step shapes that matter: a decode step (1 row), a verification (9 or 16 rows), a batch of 8 decodes
+(8 rows), a prefill chunk (256 rows), each over a 256-token context. As the engine packs them, decode and
+verification rows all take logits (the LM head runs at every row), a prefill chunk at its last row only.
 
     python benchmarks/quant_forward.py                         # bf16, modes none auto int4 (eager)
     python benchmarks/quant_forward.py --modes none auto --repeats 20
@@ -34,7 +35,9 @@ SHAPES = {
 
 
 def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
-    return [ForwardItem(t, CONTEXT, [7] * n, 1) for t, n in zip(tables, rows)]
+    """A step's items as the engine packs them: logits at every row of a decode or verification (each draft is
+    checked), at the last row of a prefill chunk."""
+    return [ForwardItem(t, CONTEXT, [7] * n, 1 if n >= 256 else n) for t, n in zip(tables, rows)]
 
 
 def main() -> None:

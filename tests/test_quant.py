@@ -102,22 +102,26 @@ def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
 @pytest.mark.parametrize("k", [128, 96, 576])  # 96: a tail of half a vector group; 576: the bundled model's
 def test_8bit_block_kernel_multiplies_by_the_files_weights(k):
     """specstream's q8_linear kernel (cpu_kernels.py) weighs by exactly d * c (identity rows read them back)
-    and sums in float32, at every row count a step has (sums over 4 rows at a time, and what is left)."""
+    and sums in float32, at every row count a step has (float32 passes of up to 8 rows, bfloat16 pair passes
+    of up to 12 from 5 rows, and what is left)."""
     if not cpu_kernels.load():
         pytest.skip("specstream's CPU kernels did not build (no g++)")
     blocks = random_int8_blocks(80, k)
     packed = quant.PackedInt8Blocks(blocks, torch.device("cpu"))
     assert packed.kernel[0] == "q8" and packed.nbytes == 80 * k + 80 * (k // 32) * 4
     assert torch.equal(packed(torch.eye(k)).t(), blocks.dequantize())
-    for rows in (1, 2, 3, 4, 5, 9, 16):
+    assert torch.equal(packed(torch.eye(k, dtype=torch.bfloat16)).t(), blocks.dequantize().bfloat16())
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 25):
         x = torch.randn(rows, k)
         torch.testing.assert_close(packed(x), x @ blocks.dequantize().t(), rtol=1e-5, atol=1e-5)
         xb = x.bfloat16()
-        want = (xb.float() @ blocks.dequantize().t()).bfloat16()
-        torch.testing.assert_close(packed(xb), want, rtol=1e-2, atol=1e-2)
+        # bfloat16 x: products exact, sums in float32, rounded once: within a bfloat16 step of the float32 result
+        want = xb.float() @ blocks.dequantize().t()
+        torch.testing.assert_close(packed(xb).float(), want, rtol=2**-8, atol=1e-4)
     assert packed(torch.randn(0, k)).shape == (0, 80)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.specstream.q8_linear(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
+        torch.ops.specstream.q8_linear(torch.randn(1, 40), torch.zeros(1, 20, 32, dtype=torch.int8), torch.ones(1, 1, 16))
+    assert not quant.PackedInt8Blocks.fits(random_int8_blocks(72, k))  # not whole tiles of 16 outputs
 
 
 @pytest.mark.parametrize("built", [True, False])

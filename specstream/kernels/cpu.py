@@ -59,7 +59,7 @@ def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_ind
 
 @torch.library.register_fake("specstream::q8_linear")
 def _q8_linear_shape(x, codes, scales):
-    return x.new_empty((x.shape[0], codes.shape[0]))
+    return x.new_empty((x.shape[0], codes.shape[0] * 16))  # codes: [N / 16, K / 2, 32]
 
 
 @torch.library.register_fake("specstream::q4_linear")

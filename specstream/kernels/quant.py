@@ -141,16 +141,25 @@ class PackedQ4:
 
 
 class PackedInt8Blocks:
-    """8-bit block weights (Int8Blocks) as stored, for specstream's CPU kernel (cpu_kernels.q8_linear)."""
+    """8-bit block weights (Int8Blocks), the file's codes and scales, in the layout of specstream's CPU kernel
+    (csrc/q8_linear.cpp): tiles of 16 outputs, each output's inputs 2j and 2j + 1 side by side."""
 
     bits = 8
 
     def __init__(self, weights: Int8Blocks, device: torch.device) -> None:
-        self.codes = weights.codes.to(torch.int8).contiguous().to(device)
-        self.scales = weights.scales.float().contiguous().to(device)
-        self.shape = tuple(self.codes.shape)
+        n, k = weights.codes.shape
+        codes = weights.codes.to(torch.int8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+        self.codes = codes.reshape(n // 16, k // 2, 32).contiguous().to(device)
+        self.scales = weights.scales.float().view(n // 16, 16, k // GROUP).transpose(1, 2).contiguous().to(device)
+        self.shape = (n, k)
         self.kernel: Kernel = ("q8", self.codes, self.scales)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    @staticmethod
+    def fits(weights: Int8Blocks) -> bool:
+        """Whether the kernel's layout holds these weights: whole tiles of 16 outputs, whole blocks of 32."""
+        n, k = weights.codes.shape
+        return n % 16 == 0 and k % GROUP == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
@@ -300,7 +309,8 @@ class LinearFactory:
         source = [self.source_int4.get(n) for n in names]
         if self.mode == "a8":
             return self._build_a8(names, weight, source)
-        q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks) and self._cpu_kernels()
+        q8 = self.mode in ("auto", "int4") and len(source) == 1 and isinstance(source[0], Int8Blocks)
+        q8 = q8 and PackedInt8Blocks.fits(source[0]) and self._cpu_kernels()
         int4 = None if q8 else _source_planes(source)  # (8-bit blocks as planes: only where q8_linear does not serve)
         groupable = weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
         if q8:

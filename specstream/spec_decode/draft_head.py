@@ -253,8 +253,8 @@ class DraftHead(nn.Module):
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         owners = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         owners += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")] + [(self, "lm_head")]
-        if any(getattr(m, n).weight.shape[1] % GROUP for m, n in owners):
-            return False
+        if any(getattr(m, n).weight.shape[1] % GROUP or getattr(m, n).weight.shape[0] % 16 for m, n in owners):
+            return False  # the kernel's layout: whole blocks of 32 inputs, whole tiles of 16 outputs
         for module, name in owners:
             setattr(module, name, _Q8Linear(getattr(module, name).weight))
         return True
