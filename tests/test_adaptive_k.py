@@ -1,5 +1,7 @@
 """The k policy and its cost model."""
 
+import torch
+
 from specstream.calibration import CostModel
 from specstream.sequence import Acceptance
 from specstream.spec_decode.policy import KPolicy, SharedAcceptance, acceptance_estimate, record_round, sampling_bucket
@@ -102,9 +104,22 @@ def test_a_second_start_of_a_cached_model_reads_its_calibration(default_model_so
     second = Engine(EngineConfig(dtype="float32"), log=False)
     assert second.calibration_file == path
     assert second.policy.target_cost.tokens == CostModel.load(path).tokens
+    del second
+    # Another build of specstream's kernels (a changed source, compiler or CPU) is timed again: the
+    # routes and the curve an earlier build measured do not speak for it.
+    from specstream.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.loaded():
+        timed = []
+        monkeypatch.setattr(cpu_kernels, "build_key", lambda: "another build")
+        monkeypatch.setattr(routes, "_faster_packed", lambda *args, **kwargs: timed.append(args) or True)
+        monkeypatch.setattr(calibration, "time_steps", time_steps)
+        third = Engine(EngineConfig(dtype="float32"), log=False)
+        assert third.calibration_file != path and timed
+        del third
     # A model outside the cache (a plain directory) is measured each time: nothing names its weights.
     outside = type(default_model_source)("x", "/nonexistent")
-    assert calibration.cache_file("forward", outside, second.dtype, second.device, ["dense"]) is None
+    assert calibration.cache_file("forward", outside, torch.float32, torch.device("cpu"), ["dense"]) is None
 
 
 def test_a_cached_calibration_that_no_longer_fits_is_measured_again(default_model_source):

@@ -187,7 +187,8 @@ class EngineBuilder:
         factory.keep()
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
         routes_file = calibration.cache_file(
-            "routes", source, self.dtype, self.device, [mode, self.config.max_num_batched_tokens, factory.kernel_kinds]
+            "routes", source, self.dtype, self.device,
+            [mode, self.config.max_num_batched_tokens, factory.kernel_kinds, self.kernels_key()],
         )
         choices = routes.settle(
             factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file
@@ -218,8 +219,14 @@ class EngineBuilder:
         invariant mode and the step sizes timed besides calibration.cache_file's own key."""
         plan = calibration.plan(self.config.max_num_batched_tokens, pool.capacity)
         return calibration.cache_file(
-            "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan]
+            "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan, self.kernels_key()]
         )
+
+    def kernels_key(self) -> str:
+        """The build of specstream's CPU kernels serving here ("" where none serve): timings kept between
+        starts are keyed by it, so a changed kernel is timed again rather than routed by its predecessor's
+        times."""
+        return cpu_kernels.build_key() if self.device.type == "cpu" and cpu_kernels.loaded() else ""
 
 
 

@@ -121,6 +121,11 @@ def load() -> bool:
     return _loaded
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded (load() ran and succeeded); loads nothing."""
+    return bool(_loaded)
+
+
 def _command(source: list[Path]) -> list[str]:
     """The compiler's command line, less its output file."""
     point_inductor_here()  # before inductor loads: pick_vec_isa's probe builds go to its cache
@@ -197,14 +202,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build() -> Path:
-    """The built library's path, building it first where the cache has none for this key."""
-    command = _command(SOURCES)
-    h = hashlib.sha256(repr((torch.__version__, sys.platform, command, _cpu_flags())).encode())
+def build_key() -> str:
+    """What the built library depends on (its sources, the compiler's command, torch's version, the CPU), as
+    a short digest: the key of its place in the cache, and part of the key of start-up timings kept between
+    starts, which a change of kernel makes stale."""
+    h = hashlib.sha256(repr((torch.__version__, sys.platform, _command(SOURCES), _cpu_flags())).encode())
     for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
-    target = cache_dir() / "kernels" / h.hexdigest()[:20] / "specstream_kernels.so"
-    return kept_library(target, lambda out: _compile_and_link(command, out), "specstream's CPU kernels")
+    return h.hexdigest()[:20]
+
+
+def _build() -> Path:
+    """The built library's path, building it first where the cache has none for this key."""
+    target = cache_dir() / "kernels" / build_key() / "specstream_kernels.so"
+    return kept_library(target, lambda out: _compile_and_link(_command(SOURCES), out), "specstream's CPU kernels")
 
 
 def kept_library(target: Path, build: Callable[[Path], None], what: str) -> Path:
