@@ -3,7 +3,8 @@ the bundled model (SmolLM2-135M: 576 wide, 9 query heads over 3 key/value heads 
 torch uses (2 here), best of N interleaved runs, weights and keys random but laid out as served.
 
 - q4_linear vs torch's int4 kernel (_weight_int4pack_mm_for_cpu) on 4-bit block weights, per layer shape;
-- q8_linear vs torch's int4 kernel on two 4-bit planes (how 8-bit blocks were served), the LM head's shape;
+- q8_linear vs torch's int4 kernel on two 4-bit planes (how 8-bit blocks were served), and vs the dense bf16 GEMM
+  (the route above the rows where q8_linear wins), the LM head's shape;
 - a8_linear (x rounded to 8-bit blocks, integer dot products) vs q4_linear and q8_linear on the same blocks,
   with each one's cost at k rows over its cost at one row (what makes a verification cheap or dear);
 - short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
@@ -80,6 +81,13 @@ def main() -> None:
         t, o = best_of([partial(theirs, x), partial(ours, x)], max(3, args.repeats // 5))
         cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
     print(f"| q8_linear (two int4 planes) | {n}x{k} | " + " | ".join(cells) + " |")
+    dense = blocks.dequantize().bfloat16()  # the route's other choice: the dense GEMM on a bf16 copy
+    cells = []
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        t, o = best_of([partial(torch.nn.functional.linear, x, dense), partial(ours, x)], max(3, args.repeats // 5))
+        cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
+    print(f"| q8_linear (dense bf16 GEMM) | {n}x{k} | " + " | ".join(cells) + " |")
 
     print("\n| a8_linear vs weight-only, us (q4/q8_linear / a8_linear; cost over 1 row) | weight | "
           + " | ".join(f"{r} rows" for r in args.rows) + " |")
