@@ -171,12 +171,24 @@ def throwaway_tables(pool: KVPool, count: int, length: int) -> Iterator[list[lis
             pool.free(table)
 
 
-def plan(max_batched_tokens: int, capacity: int) -> tuple[list[int], int]:
+def plan(max_batched_tokens: int, capacity: int, compiled: int = 0) -> tuple[list[int], int]:
     """The step sizes the forward-time curve is timed at, and the context (cached tokens) they are
-    timed over, in a pool of `capacity` positions."""
+    timed over, in a pool of `capacity` positions. compiled: the most rows a step runs compiled (0: none
+    does); the curve is timed on both sides of it, where a step's cost jumps to the eager forward's.
+    Interpolated over the jump, a draft that takes a step past it was priced at a few percent of its
+    cost (a 17th row at the 16th's, where it costs about as much as eight)."""
     top = max(max_batched_tokens, 1)
-    sizes = sorted({n for n in _STEP_SIZES if n <= top} | {min(top, 128)})
+    sizes = {n for n in _STEP_SIZES if n <= top} | {min(top, 128)}
+    if 0 < compiled < top:
+        sizes |= {compiled, compiled + 1}
+    sizes = sorted(sizes)
     return sizes, min(CONTEXT, capacity - sizes[-1])
+
+
+def compiled_rows(runner: ModelRunner) -> int:
+    """The most rows a step may have and run compiled in runner's forward as it serves now (0: none)."""
+    fast = getattr(runner, "fast", None)
+    return fast.compiled_rows if fast is not None and fast.steps is not None else 0
 
 
 def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:
@@ -198,7 +210,7 @@ def forward_cost(runner: ModelRunner, max_batched_tokens: int, kept: Path | None
     read from it once a one-token step timed now agrees with it (TOLERANCE); else it is measured, and
     kept. later: where they disagree, return the kept curve scaled to the step timed now, marked stale,
     for the caller to measure when it has the time (a server, once idle), rather than measure it now."""
-    sizes, context = plan(max_batched_tokens, runner.pool.capacity)
+    sizes, context = plan(max_batched_tokens, runner.pool.capacity, compiled_rows(runner))
     if (cost := CostModel.load(kept) if kept is not None else None) is not None:
         now = time_steps(runner, [1], context, repeats=5)
         if now is None or abs(now(1) / cost(1) - 1.0) <= TOLERANCE:

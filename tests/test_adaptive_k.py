@@ -201,3 +201,21 @@ def test_the_shared_record_fades_back_to_the_fixed_prior_as_rounds_pass():
     for _ in range(1000):
         shared.tick()
     assert shared.prior("ngram", "T1", 0.5) > 0.45
+
+
+def test_the_forward_curve_is_timed_on_both_sides_of_the_compiled_steps_limit():
+    """A step of more rows than the compiled steps take runs eager, at a jump in cost: timed at 16 and 24
+    alone, the curve priced the 17th row like the 16th. With compiled steps of up to 16 rows it is timed at
+    16 and 17 too; without them (eager, or a budget below the limit) the sizes are as before."""
+    from types import SimpleNamespace
+
+    from specstream import calibration
+
+    sizes, _ = calibration.plan(512, 100_000, compiled=16)
+    assert {16, 17, 24} <= set(sizes) and sizes == sorted(sizes)
+    assert 17 not in calibration.plan(512, 100_000)[0]
+    assert calibration.plan(16, 100_000, compiled=16)[0][-1] == 16  # the budget stops at the limit: nothing past it
+    eager = SimpleNamespace(fast=SimpleNamespace(compiled_rows=16, steps=None))
+    compiled = SimpleNamespace(fast=SimpleNamespace(compiled_rows=16, steps=object()))
+    assert calibration.compiled_rows(eager) == 0 and calibration.compiled_rows(compiled) == 16
+    assert calibration.compiled_rows(SimpleNamespace(fast=None)) == 0  # a model on transformers' modules

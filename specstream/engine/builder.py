@@ -214,10 +214,12 @@ class EngineBuilder:
             return "eager (invariant mode)"
         return runner.compile(background=self.config.compile_in_background)
 
-    def calibration_file(self, source: ModelSource, weights: str, pool: KVPool) -> Path | None:
+    def calibration_file(self, source: ModelSource, weights: str, runner: ModelRunner) -> Path | None:
         """Where the target's forward-time curve is kept between starts, keyed by the weight kernels,
         invariant mode and the step sizes timed besides calibration.cache_file's own key."""
-        plan = calibration.plan(self.config.max_num_batched_tokens, pool.capacity)
+        plan = calibration.plan(
+            self.config.max_num_batched_tokens, runner.pool.capacity, calibration.compiled_rows(runner)
+        )
         return calibration.cache_file(
             "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan, self.kernels_key()]
         )
@@ -249,7 +251,7 @@ class Pricing:
         spec = config.speculative
         if forward.startswith("eager"):
             forward = "eager"
-        kept = self.builder.calibration_file(self.source, f"{self.weights}; {forward}", self.runner.pool)
+        kept = self.builder.calibration_file(self.source, f"{self.weights}; {forward}", self.runner)
         if not (spec.enabled and spec.adaptive):
             return None, kept
         target_cost = calibration.forward_cost(self.runner, config.max_num_batched_tokens, kept, later)
