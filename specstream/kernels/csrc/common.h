@@ -6,9 +6,28 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <type_traits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace specstream_kernels {
+
+#if defined(CPU_CAPABILITY_AVX512)
+// A row's 16 float32 sums (a tile of outputs) stored in T, each rounded once.
+template <typename T>
+inline void store_tile(T* y, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(y, v);
+  } else {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    for (int64_t i = 0; i < 16; ++i) y[i] = static_cast<T>(tmp[i]);
+  }
+}
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 

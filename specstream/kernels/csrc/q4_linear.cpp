@@ -28,6 +28,9 @@
 namespace {
 
 using specstream_kernels::as_float;
+#if defined(CPU_CAPABILITY_AVX512)
+using specstream_kernels::store_tile;
+#endif
 using specstream_kernels::Vec;
 
 constexpr int64_t kTile = 16;  // outputs per tile
@@ -162,17 +165,6 @@ inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t 
 }
 
 template <typename T>
-inline void store_row(T* y, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(y, v);
-  } else {
-    alignas(64) float tmp[kTile];
-    _mm512_store_ps(tmp, v);
-    for (int64_t i = 0; i < kTile; ++i) y[i] = static_cast<T>(tmp[i]);
-  }
-}
-
-template <typename T>
 void run(const float* x, const uint16_t* xb, const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, T* y,
          int64_t m_rows, int64_t n_rows, int64_t k) {
   const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
@@ -208,7 +200,7 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const c10::Ha
           case 11: tile<11, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
           default: tile<12, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
         }
-        for (int64_t r = 0; r < rows; ++r) store_row(y + (m0 + r) * n_rows + t * kTile, out[r]);
+        for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
       }
     }
   });

@@ -37,6 +37,9 @@
 namespace {
 
 using specstream_kernels::as_float;
+#if defined(CPU_CAPABILITY_AVX512)
+using specstream_kernels::store_tile;
+#endif
 
 constexpr int64_t kTile = 16;  // outputs per tile
 constexpr int64_t kBlock = 32;
@@ -128,17 +131,6 @@ inline void tile_bf16(const uint16_t* x, int64_t k, const int8_t* codes, const f
 
 #endif
 
-template <typename T>
-inline void store_row(T* y, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(y, v);
-  } else {
-    alignas(64) float tmp[kTile];
-    _mm512_store_ps(tmp, v);
-    for (int64_t i = 0; i < kTile; ++i) y[i] = static_cast<T>(tmp[i]);
-  }
-}
-
 // Rows m0 .. m0 + rows of x against tile t (codes c, scales d) into out, by the float32 path.
 inline void pass_f32(const float* x, int64_t rows, int64_t k, const int8_t* c, const float* d, __m512* out) {
   switch (rows) {
@@ -198,7 +190,7 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
         else
 #endif
           pass_f32(x + m0 * k, rows, k, c, d, out);
-        for (int64_t r = 0; r < rows; ++r) store_row(y + (m0 + r) * n_rows + t * kTile, out[r]);
+        for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
       }
     }
   });
