@@ -124,17 +124,20 @@ class CostModel:
     @classmethod
     def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> CostModel:
         """Time run(n) (one forward over n tokens, or one step over n sequences) for each n; the fastest
-        of repeats, since timing noise (other processes, page faults) only ever adds time."""
+        of repeats, since timing noise (other processes, page faults) only ever adds time. The repeats are
+        sweeps over all the sizes, not runs of one size in a row: a busy spell of a second or two then
+        slows one repeat of several sizes, not every repeat of one size. (Run back to back, one spell
+        could price every repeat of the 2-token step high: above 1.5x a one-token step, a first draft
+        expected to be accepted half the time never pays, and a one-stream server that stops drafting never
+        runs the steps that would show the curve its error.)"""
         run(sizes[0])  # warm-up
-        seconds = []
-        for n in sizes:
-            times = []
-            for _ in range(repeats):
+        times = [math.inf] * len(sizes)
+        for _ in range(repeats):
+            for i, n in enumerate(sizes):
                 start = time.perf_counter()
                 run(n)
-                times.append(time.perf_counter() - start)
-            seconds.append(min(times))
-        return cls(sizes, seconds)
+                times[i] = min(times[i], time.perf_counter() - start)
+        return cls(sizes, times)
 
 
 # ------------------------------------------------------------------------ kept files
