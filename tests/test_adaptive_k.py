@@ -1,5 +1,6 @@
 """The k policy and its cost model."""
 
+import pytest
 import torch
 
 from specstream.calibration import CostModel
@@ -22,6 +23,22 @@ def test_cost_model_interpolates_and_is_monotone():
     cm = CostModel([1, 8, 32], [0.05, 0.04, 0.08])
     assert cm.seconds == [0.05, 0.05, 0.08]
     assert abs(cm(20) - 0.065) < 1e-9 and cm(64) > cm(32)
+
+
+def test_a_busy_spell_while_timing_does_not_price_one_step_size_high(monkeypatch):
+    """Each repeat sweeps every size: a spell as long as three timings (here: 40x slower) slows at most one
+    repeat of each size it spans, and the fastest repeat of every size is still a quiet one."""
+    calls: list[int] = []
+    clock = [0.0]
+
+    def run(n: int) -> None:
+        calls.append(n)
+        clock[0] += 0.010 + 0.001 * n + (0.4 if 3 <= len(calls) <= 5 else 0.0)
+
+    monkeypatch.setattr("specstream.calibration.time.perf_counter", lambda: clock[0])
+    cost = CostModel.measure(run, [1, 2, 4], repeats=3)
+    assert calls == [1] + [1, 2, 4] * 3  # a warm-up, then whole sweeps
+    assert cost.seconds == pytest.approx([0.011, 0.012, 0.014])
 
 
 def test_free_verification_and_good_acceptance_drafts_long():
