@@ -74,7 +74,11 @@ def untrained(trained, target_dir, tmp_path_factory) -> Path:
 
 def engine_for(model: Path | str, method: str, head: Path | None, **kw) -> Engine:
     spec = SpeculativeConfig(
-        method=method, draft_model=str(head) if head else None, num_speculative_tokens=kw.pop("k", 4), adaptive=False
+        method=method,
+        draft_model=str(head) if head else None,
+        num_speculative_tokens=kw.pop("k", 4),
+        adaptive=False,
+        tree_drafts=kw.pop("trees", True),
     )
     return Engine(EngineConfig(model=str(model), dtype=kw.pop("dtype", "float32"), speculative=spec, **kw), log=False)
 
@@ -195,18 +199,25 @@ def test_greedy_output_with_the_head_is_identical_to_plain_when_the_prefix_cache
 def fresh_head_drafts(engine, seq, start: int) -> list[int]:
     """The drafts of a new proposer over the same head, fed seq's text from position start with
     features recomputed from scratch by the target: what a correct live cache must also draft."""
+    return fresh_head_draft(engine, seq, start).tokens
+
+
+def fresh_head_draft(engine, seq, start: int, k: int = 6, **settings) -> Draft:
+    """fresh_head_drafts' draft whole, from a proposer with `settings` (trees, width, target_cost)."""
     live = engine.proposer
     cfg = live.head.cfg
     fresh = EagleProposer(
         live.head, type(live.pool)(1, cfg.num_key_value_heads, cfg.head_dim, 4096, 16, torch.float32, "cpu")
     )
+    for name, value in settings.items():
+        setattr(fresh, name, value)
     table = []
     engine.pool.reserve(table, len(seq.token_ids))
     _, aux = engine.runner.forward([ForwardItem(table, 0, seq.token_ids[:-1], 1)], live.aux_layers)
     engine.pool.free(table)
     twin = Sequence("twin", seq.token_ids, seq.params, arrival=0)
     fresh.observe(twin, start, aux[start:])
-    return fresh.propose([twin], [6])[0].tokens
+    return fresh.propose([twin], [k])[0]
 
 
 def test_head_started_past_a_cached_prefix_drafts_what_a_head_fed_from_there_drafts(trained, target_dir, chats):
@@ -576,13 +587,65 @@ def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_
     plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), prompts)]
     stats = {}
     for judged in (False, True):
-        engine = engine_for(target_dir, "eagle", trained[0], k=6)
+        engine = engine_for(target_dir, "eagle", trained[0], k=6, trees=False)
         if judged:
             engine.proposer.target_cost = CostModel([1, 7], [0.010, 0.022])
         outs = greedy(engine, prompts)
         assert [o.token_ids for o in outs] == plain
         stats[judged] = (sum(o.stats.drafted for o in outs), acceptance(outs))
     assert stats[True][0] < stats[False][0] and stats[True][1] > stats[False][1], stats
+
+
+# A verification curve this flat makes every draft pay: the head's trees grow to their limits.
+FLAT = ([1, 64], [0.010, 0.0101])
+
+
+def test_head_trees_are_greedy_identical_to_plain_and_accept_more_than_chains(trained, target_dir, chats):
+    """EAGLE-2 trees from the head (greedy requests, drafts judged by a curve): the output is the plain one,
+    the rounds verify trees, and the tree's side branches take tokens the chain's one path misses."""
+    from specstream.calibration import CostModel
+
+    prompts = chats + RAW_PROMPTS
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), prompts)]
+    accepted, shapes = {}, []
+    for trees in (False, True):
+        engine = engine_for(target_dir, "eagle", trained[0], k=6, trees=trees)
+        engine.proposer.target_cost = CostModel(*FLAT)
+        propose = engine.proposer.propose
+
+        def spy(seqs, ks, propose=propose, trees=trees):
+            drafts = propose(seqs, ks)
+            shapes.extend((trees, d.is_tree) for d in drafts if d.tokens)
+            return drafts
+
+        engine.proposer.propose = spy
+        outs = greedy(engine, prompts)
+        assert [o.token_ids for o in outs] == plain
+        accepted[trees] = sum(o.stats.accepted for o in outs)
+        assert engine.proposer.pool.num_free_blocks == engine.proposer.pool.num_blocks
+    assert (True, True) in shapes and (False, True) not in shapes
+    assert accepted[True] > accepted[False], accepted
+
+
+def test_a_head_trees_likeliest_path_is_the_heads_own_chain(trained, target_dir, chats):
+    """A tree's rows see only their own paths: the path of each node's likeliest child, through the head's
+    tree-masked passes, drafts what the head's chain drafts step by step."""
+    from specstream.calibration import CostModel
+
+    engine = engine_for(target_dir, "eagle", trained[0], k=6)
+    seq = engine.prepare(chats[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 10:
+        engine.step()
+    chain = fresh_head_draft(engine, seq, 0)  # no curve: a chain of 6
+    tree = fresh_head_draft(engine, seq, 0, k=12, trees=True, width=2, target_cost=CostModel(*FLAT))
+    assert tree.is_tree and not chain.is_tree and len(tree.tokens) > 6
+    path = tree.main_chain().tokens
+    assert len(path) >= 3 and path == chain.tokens[: len(path)], (path, chain.tokens)
+    # A sampled request drafts a chain with the head's q, for rejection sampling.
+    seq.params = SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True)
+    sampled = fresh_head_draft(engine, seq, 0, trees=True, target_cost=CostModel(*FLAT))
+    assert not sampled.is_tree and sampled.probs is not None
 
 
 def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():

@@ -286,10 +286,26 @@ class ChainJudge:
     def keep(self, i: int, confidence: float) -> bool:
         """Sequence i's next draft, whose head probability is `confidence`: kept or not."""
         chance = self.chance[i] * confidence
-        added = self.verify(self.rows + 1) - self.verify(self.rows) + self.step_share
-        if not self.step.pays(chance, added):
+        if not self.take(chance, self.step_share):
             return False
         self.chance[i] = chance
+        return True
+
+    def _row(self, extra: float) -> float:
+        return self.verify(self.rows + 1) - self.verify(self.rows) + extra
+
+    def worth(self, chance: float, extra: float = 0.0) -> bool:
+        """Whether a draft reached and accepted with `chance` would pay for its row and `extra` seconds
+        (a head pass's share) now; nothing is kept."""
+        return self.step.pays(chance, self._row(extra))
+
+    def take(self, chance: float, extra: float = 0.0) -> bool:
+        """Keep a draft (a chain's next, or a tree's node: in a tree too a node is accepted exactly when its
+        path is, so its chance is its path's product) that is reached and accepted with `chance`, if it
+        pays for its row and `extra` seconds."""
+        added = self._row(extra)
+        if not self.step.pays(chance, added):
+            return False
         self.rows += 1
         self.step.add(chance, added)
         return True
