@@ -41,7 +41,6 @@ from specstream.memory.kv import KVPool
 from specstream.spec_decode.policy import ChainJudge
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
-from specstream.sampling import probabilities_for
 from specstream.sequence import Sequence
 
 logger = logging.getLogger("specstream.spec_decode.eagle")
@@ -258,7 +257,7 @@ class EagleProposer(Proposer):
         """EAGLE-2's dynamic draft tree for each active sequence, in drafts.
 
         Each depth expands the `width` likeliest nodes of the depth before (their chance: the product of the
-        head's probabilities along the path, under the request's sampling), each into its `width` likeliest
+        head's probabilities along the path), each into its `width` likeliest
         next tokens, in one head pass over every sequence: a pass feeds each expanded node with its ancestors
         as a tree (attention.py's tree mask, over the head's own pool), so every row sees exactly its path. A
         node is expanded only while its chance would still pay for a verified row and its share of the pass
@@ -277,7 +276,7 @@ class EagleProposer(Proposer):
         depth = 0
         while frontier:
             depth += 1
-            children = self._children([seqs[i] for i, _ in frontier], torch.stack([out_logits[f] for f in frontier]))
+            children = self._children(torch.stack([out_logits[f] for f in frontier]))
             grown: dict[int, list[int]] = {}
             for (i, parent), (tokens, probs) in zip(frontier, children):
                 base = 1.0 if parent < 0 else nodes[i][parent][2]
@@ -351,25 +350,11 @@ class EagleProposer(Proposer):
         inner = sorted((n for n in seen if n not in ends), key=lambda n: (nodes[n][3], n))
         return inner + list(ends)
 
-    def _children(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
-        """Each row's `width` likeliest next tokens (target ids) and their probabilities: under the head's own
-        distribution for a greedy request, under the request's sampling for a sampled one."""
-        width = min(self.width, logits.shape[-1])
-        out: list[tuple[list[int], list[float]] | None] = [None] * len(seqs)
-        greedy = [j for j, s in enumerate(seqs) if s.params.greedy]
-        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
-        if greedy:
-            top = logits[greedy].float().softmax(-1).topk(width, dim=-1)
-            ids = self.head.target_ids[top.indices].tolist()
-            for r, j in enumerate(greedy):
-                out[j] = (ids[r], top.values[r].tolist())
-        if sampled:
-            probs = probabilities_for(self.head.full_logits(logits[sampled]), [seqs[j].params for j in sampled])
-            top = probs.topk(width, dim=-1)
-            for r, j in enumerate(sampled):
-                pairs = [(t, p) for t, p in zip(top.indices[r].tolist(), top.values[r].tolist()) if p > 0.0]
-                out[j] = ([t for t, _ in pairs], [p for _, p in pairs])
-        return out
+    def _children(self, logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """Each row's `width` likeliest next tokens (target ids) under the head's distribution, and their
+        probabilities (the chance that a greedy target's argmax is that token, as far as the head knows)."""
+        top = logits.float().softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+        return list(zip(self.head.target_ids[top.indices].tolist(), top.values.tolist()))
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each sequence's waiting rows; return its last row's (logits, pre-norm output)."""
