@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 TOLERANCE = 0.15
 # Cached tokens the forward-time curve is timed over.
 CONTEXT = 64
+# How the curve is timed, in its kept file's key: a curve kept by an earlier way of timing is timed again
+# ("sweeps": each repeat sweeps every size, CostModel.measure. Four curves kept on one machine by timing one
+# size's repeats back to back priced a second row at 1.13-1.31x a one-token step, where sweeps found
+# 1.04-1.11x and the two steps timed alternately 15 times 1.03-1.14x.)
+TIMING = "sweeps"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 

@@ -221,7 +221,7 @@ class EngineBuilder:
             self.config.max_num_batched_tokens, runner.pool.capacity, calibration.compiled_rows(runner)
         )
         return calibration.cache_file(
-            "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan, self.kernels_key()]
+            "forward", source, self.dtype, self.device, [weights, self.config.deterministic, *plan, self.kernels_key(), calibration.TIMING]
         )
 
     def kernels_key(self) -> str:
