@@ -295,31 +295,42 @@ class EagleProposer(Proposer):
             frontier = [(i, n) for i, ps in picks.items() for n in ps]
             if not frontier:
                 break
-            items, feed = [], []
-            for i, ps in picks.items():
-                if not ps:
-                    continue
-                order = self._path_nodes(nodes[i], ps)
-                index = {n: r for r, n in enumerate(order)}
-                state = self._state[seqs[i].request_id]
-                items.append(
-                    ForwardItem(
-                        state.table,
-                        state.fed,
-                        [nodes[i][n][0] for n in order],
-                        len(ps),
-                        [index.get(nodes[i][n][1], -1) for n in order],
-                    )
-                )
-                feed.extend(child_hidden[(i, nodes[i][n][1])] for n in order)
-            step_logits, step_hidden = self._step(items, torch.stack(feed))
+            step_logits, step_hidden = self._tree_pass(seqs, nodes, picks, child_hidden)
             for r, f in enumerate(frontier):
                 out_logits[f], child_hidden[f] = step_logits[r], step_hidden[r]
-        # Keep nodes best first, across sequences, while they pay for their rows.
+        self._keep_best(nodes, ks, judge, drafts)
+
+    def _tree_pass(
+        self,
+        seqs: list[Sequence],
+        nodes: dict[int, list[tuple[int, int, float, int]]],
+        picks: dict[int, list[int]],
+        child_hidden: dict[tuple[int, int], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head pass over every sequence's picked nodes, each fed with its ancestors as a tree from the
+        head's first draft row (the picks last, so theirs are the rows returned, in picks' order)."""
+        items, feed = [], []
+        for i, ps in picks.items():
+            if not ps:
+                continue
+            order = self._path_nodes(nodes[i], ps)
+            index = {n: r for r, n in enumerate(order)}
+            state = self._state[seqs[i].request_id]
+            parents = [index.get(nodes[i][n][1], -1) for n in order]
+            items.append(ForwardItem(state.table, state.fed, [nodes[i][n][0] for n in order], len(ps), parents))
+            feed.extend(child_hidden[(i, nodes[i][n][1])] for n in order)
+        return self._step(items, torch.stack(feed))
+
+    @staticmethod
+    def _keep_best(
+        nodes: dict[int, list[tuple[int, int, float, int]]], ks: list[int], judge: ChainJudge, drafts: list[Draft]
+    ) -> None:
+        """Keep nodes best first, across sequences, while they pay for their rows (at most k per sequence, a
+        node after its parent), as each sequence's tree draft."""
         ranked = sorted(
-            ((c, d, i, n) for i in active for n, (_, _, c, d) in enumerate(nodes[i])), key=lambda x: (-x[0], x[1])
+            ((c, d, i, n) for i, ns in nodes.items() for n, (_, _, c, d) in enumerate(ns)), key=lambda x: (-x[0], x[1])
         )
-        kept: dict[int, list[int]] = {i: [] for i in active}
+        kept: dict[int, list[int]] = {i: [] for i in nodes}
         for chance, _, i, n in ranked:
             parent = nodes[i][n][1]
             if len(kept[i]) >= ks[i] or (parent >= 0 and parent not in kept[i]):
