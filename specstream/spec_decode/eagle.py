@@ -185,10 +185,11 @@ class EagleProposer(Proposer):
             return drafts
         judge = ChainJudge(self.target_cost, self.cost, len(seqs), base) if self.target_cost is not None else None
         logits, hidden = self._catch_up([seqs[i] for i in active])
-        tree = [j for j, i in enumerate(active) if self._grows_tree(seqs[i])]
-        if tree:
+        grows = [self._grows_tree(seqs[i]) for i in active]
+        if any(grows):
+            tree = [j for j, g in enumerate(grows) if g]
             self._grow_trees(seqs, ks, [active[j] for j in tree], logits[tree], hidden[tree], judge, drafts)
-            chain = [j for j, i in enumerate(active) if not self._grows_tree(seqs[i])]
+            chain = [j for j, g in enumerate(grows) if not g]
             active, logits, hidden = [active[j] for j in chain], logits[chain], hidden[chain]
         step = 0
         while active:
