@@ -318,6 +318,40 @@ def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_di
         proposer.release(s)
 
 
+def test_whether_a_sampled_head_draft_is_verified_does_not_depend_on_the_token_drawn(trained, target_dir):
+    """Rejection sampling is lossless only for a draft verified whatever token was drawn. A judged chain keeps
+    or drops a sampled draft by its distribution q (its top), never by q of the token drawn: at a row price
+    between the draws' q and the top of q, every seed keeps its draft, and above the top none does."""
+    from specstream.calibration import CostModel
+
+    engine = engine_for(target_dir, "eagle", trained[0])
+    proposer = engine.proposer
+    proposer.cost = None  # no head-pass share: a draft pays when its chance beats the row's price
+    prompt = engine.processor.encode(RAW_PROMPTS[0])
+    table: list[int] = []
+    engine.pool.reserve(table, len(prompt))
+    _, aux = engine.runner.forward([ForwardItem(table, 0, prompt, 1)], proposer.aux_layers)
+    engine.pool.free(table)
+
+    def drafts(price: float, seeds) -> list[Draft]:
+        # One sequence alone, one draft: its row costs `price` one-token steps.
+        proposer.target_cost = CostModel([1, 2], [0.010, 0.010 * (1 + price)])
+        out = []
+        for seed in seeds:
+            s = Sequence(f"s{seed}", prompt, SamplingParams(temperature=1.0, seed=seed), arrival=seed)
+            proposer.observe(s, 0, aux[:-1])
+            out.append(proposer.propose([s], [1])[0])
+            proposer.release(s)
+        return out
+
+    free = drafts(0.0, range(100))
+    q = free[0].probs[0]
+    drawn = q[torch.tensor([d.tokens[0] for d in free])]
+    assert float(drawn.min()) < float(q.max()) / 2  # the draws' q spread below the top
+    assert {len(d.tokens) for d in drafts(float(drawn.median()), range(100))} == {1}
+    assert {len(d.tokens) for d in drafts(float(q.max()) * 1.05, range(100))} == {0}
+
+
 def test_metrics_label_per_position_acceptance_by_method(trained, target_dir, chats):
     engine = engine_for(target_dir, "eagle", trained[0])
     greedy(engine, chats)

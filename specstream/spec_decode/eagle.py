@@ -408,9 +408,13 @@ class EagleProposer(Proposer):
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], step: int, judged: bool
     ) -> list[float]:
-        """Append each sequence's draft token `step`. With `judged`, return the head's probability
-        of each (q of a sampled draft, the top probability of a greedy one); else nothing is computed
-        for it."""
+        """Append each sequence's draft token `step`. With `judged`, return the head's confidence in each, its
+        top probability (of the sampled distribution q for a sampled request); else nothing is computed for it.
+
+        A sampled draft's confidence must not be q of the token drawn: whether the draft is verified would then
+        depend on which token was drawn, and rejection sampling is lossless only for a draft verified whatever
+        it is (p = (.5, .5), q = (.9, .1), the draft kept only where q > .5: the first token comes out .55/.45).
+        The top of q is fixed before the draw, as the draft's position is."""
         greedy = self.head.target_ids[logits.argmax(-1)].tolist()
         constrained = self._mask is not None and any(s.constraint is not None for s in seqs)
         masked = None  # the rows a grammar masked, over the whole vocabulary
@@ -430,7 +434,7 @@ class EagleProposer(Proposer):
             if q is not None:
                 d.probs = (d.probs or []) + [q]
                 if judged:
-                    confidence[j] = float(q[tok])
+                    confidence[j] = float(q.max())
         return confidence
 
     def _constrained(self, full: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], greedy: list[int]):
