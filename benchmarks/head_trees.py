@@ -1,7 +1,8 @@
 """The draft head's chains against its EAGLE-2 trees, in process, side by side in one run: `off`, `eagle` and
-`auto`, each with `tree_drafts` off (chains) and on (the head grows trees for greedy requests), on the first
-turns of the open-chat trace's conversations (benchmarks/open_chat_trace.py: MT-Bench and AlpacaEval, fetched
-from PyPI into the cache), one request at a time, greedy.
+`auto`, each with `tree_drafts` off (chains) and on (the head grows trees: its likeliest branches for a greedy
+request, draws without replacement from its q for a sampled one), on the first turns of the open-chat trace's
+conversations (benchmarks/open_chat_trace.py: MT-Bench and AlpacaEval, fetched from PyPI into the cache), one
+request at a time, greedy or at --temperature (each prompt with the same seed in every engine).
 
 Every engine is built once, its compiled forward installed and its forward-time curve timed before any is
 measured; each repeat takes prompts no engine has seen (auto's suffix cache would otherwise copy the answers
@@ -10,6 +11,7 @@ and each repeat's ratio to `off`.
 
     .venv/bin/python benchmarks/head_trees.py                      # 3 repeats of 12 prompts, 96 tokens
     .venv/bin/python benchmarks/head_trees.py --repeats 4 --prompts 16 --engines off auto-chain auto-tree
+    .venv/bin/python benchmarks/head_trees.py --temperature 0.7
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=12, help="prompts per repeat (each repeat takes new ones)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--skip", type=int, default=100, help="conversations of the shuffled trace to skip first")
+    p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
     chat = load_trace()["chat"]
     if args.skip + args.repeats * args.prompts > len(chat):
@@ -58,7 +61,7 @@ def main() -> None:
         for r in range(args.repeats)
     ]
     engines = {name: build(*ENGINES[name]) for name in args.engines}
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r, prompts in enumerate(sets):
         order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]

@@ -19,6 +19,10 @@ from specstream.errors import InvalidRequestError
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
+# A sampled draft tree's further uniforms at an output position: its i-th sibling's acceptance test
+# (STREAM_TREE_ACCEPT + i), and the i-th child drawn from node n's q (STREAM_TREE_DRAW + (n + 1) * 64 + i).
+STREAM_TREE_ACCEPT = 1 << 20
+STREAM_TREE_DRAW = 1 << 21
 GREEDY_EPS = 1e-5
 # Caps on what one request may ask for: each bounds work done per request per round.
 MAX_LOGPROBS = 20

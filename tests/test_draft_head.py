@@ -282,13 +282,36 @@ def test_chunked_prefill_hands_the_head_its_features_chunk_by_chunk(trained, tar
     assert [o.token_ids for o in outs] == plain and sum(o.stats.accepted for o in outs) > 0
 
 
-def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_dir):
+def _rows_after(model, prompt: list[int], draft: Draft, cache: dict) -> torch.Tensor:
+    """The target's logits after the prompt and after each draft's path (a tree's row j + 1 sees draft j's
+    ancestors only), from the reference model, one forward per path not seen before."""
+    parents = draft.parents if draft.is_tree else list(range(-1, len(draft.tokens) - 1))
+    paths = [()]
+    for tok, parent in zip(draft.tokens, parents):
+        paths.append(paths[parent + 1] + (tok,))
+    for path in paths:
+        if path not in cache:
+            with torch.no_grad():
+                cache[path] = model(torch.tensor([prompt + list(path)])).logits[0, -1].float()
+    return torch.stack([cache[path] for path in paths])
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_dir, shape):
     """One speculative round over many seeds: the first emitted token must follow the
-    target's p exactly, including tokens outside the head's reduced vocabulary (q = 0)."""
+    target's p exactly, including tokens outside the head's reduced vocabulary (q = 0). A tree
+    (its children drawn from q without replacement, recursive rejection sampling) also accepts
+    more than the one-hot walk of the same trees."""
+    from transformers import AutoModelForCausalLM
+
+    from specstream.calibration import CostModel
+
     engine = engine_for(target_dir, "eagle", trained[0])
     proposer = engine.proposer
+    if shape == "tree":
+        proposer.target_cost = CostModel(*FLAT)
     prompt = engine.processor.encode(RAW_PROMPTS[0])
-    n, k = 3000, 2
+    n, k = 3000, 2 if shape == "chain" else 4
     seqs = [Sequence(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i), arrival=i) for i in range(n)]
     table: list[int] = []
     engine.pool.reserve(table, len(prompt))
@@ -299,14 +322,14 @@ def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_di
     assert float(p[outside].sum()) > 0.05  # the test covers the reduced vocabulary
     for s in seqs:
         proposer.observe(s, 0, aux[:-1])
-    drafts = proposer.propose(seqs, [k] * n)
+    # Steps of 16 sequences (the curve is timed to 64 rows: a tree's rows on top of thousands would not pay).
+    drafts = [d for c in range(0, n, 16) for d in proposer.propose(seqs[c : c + 16], [k] * len(seqs[c : c + 16]))]
     assert all(d.probs is not None and float(d.probs[:, outside].sum()) == 0 for d in drafts)
-    from transformers import AutoModelForCausalLM
-
+    trees = sum(d.is_tree for d in drafts)
+    assert trees > n // 2 if shape == "tree" else trees == 0
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    ids = torch.tensor([prompt[:-1] + [prompt[-1]] + d.tokens for d in drafts])
-    with torch.no_grad():
-        rows = model(ids).logits[:, len(prompt) - 1 :].float()
+    cache: dict = {}
+    rows = [_rows_after(model, prompt, d, cache) for d in drafts]
     verdicts = verify_round([Round(s, d, r) for s, d, r in zip(seqs, drafts, rows)])
     first = torch.tensor([result.tokens[0] for result in verdicts])
     empirical = torch.bincount(first, minlength=p.shape[0]).float() / n
@@ -314,6 +337,10 @@ def test_sampling_with_the_head_keeps_the_target_distribution(trained, target_di
     # Total variation of n samples from p itself is about sqrt(V / (2 pi n)) ~ 0.14 at V=384.
     assert tv < 0.2, tv
     assert abs(float(empirical[outside].sum()) - float(p[outside].sum())) < 0.04
+    if shape == "tree":
+        one_hot = [Draft(d.tokens, None, parents=d.parents) for d in drafts]
+        walked = verify_round([Round(s, d, r) for s, d, r in zip(seqs, one_hot, rows)])
+        assert sum(v.num_accepted for v in verdicts) > sum(v.num_accepted for v in walked)
     for s in seqs:
         proposer.release(s)
 
@@ -676,10 +703,19 @@ def test_a_head_trees_likeliest_path_is_the_heads_own_chain(trained, target_dir,
     assert tree.is_tree and not chain.is_tree and len(tree.tokens) > 6
     path = tree.main_chain().tokens
     assert len(path) >= 3 and path == chain.tokens[: len(path)], (path, chain.tokens)
-    # A sampled request drafts a chain with the head's q, for rejection sampling.
+    # A sampled request draws its tree from the head's q: each node carries the q it was drawn from (the
+    # chain's first q at the root), siblings share it and are distinct draws of tokens q allows.
     seq.params = SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True)
     sampled = fresh_head_draft(engine, seq, 0, trees=True, target_cost=CostModel(*FLAT))
-    assert not sampled.is_tree and sampled.probs is not None
+    assert sampled.is_tree and sampled.probs is not None and len(sampled.probs) == len(sampled.tokens)
+    torch.testing.assert_close(sampled.probs[0], fresh_head_draft(engine, seq, 0).probs[0])
+    siblings: dict[int, list[int]] = {}
+    for j, parent in enumerate(sampled.parents):
+        siblings.setdefault(parent, []).append(j)
+    assert max(len(js) for js in siblings.values()) > 1
+    for js in siblings.values():
+        assert len({sampled.tokens[j] for j in js}) == len(js)
+        assert all(torch.equal(sampled.probs[j], sampled.probs[js[0]]) and sampled.probs[j][sampled.tokens[j]] > 0 for j in js)
 
 
 def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():

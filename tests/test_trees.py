@@ -154,6 +154,44 @@ def test_sampled_walk_emits_the_target_distribution():
     assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1 / n).all()
 
 
+@pytest.mark.parametrize("spread", [0.3, 3.0], ids=["q-near-p", "q-far-from-p"])
+def test_sampled_tree_with_q_emits_the_target_distribution_and_accepts_more_than_one_hot(spread):
+    """Recursive rejection sampling over children drawn from q without replacement: the first emitted token
+    follows p at row 0, the second (where one is emitted after an accepted draft) follows p at that draft's
+    row, whatever q; and with q near p it accepts more than the one-hot walk of the same trees."""
+    g = torch.Generator().manual_seed(5)
+    vocab, n, width = 6, 4000, 3
+    target = torch.randn(vocab + 1, vocab, generator=g)  # row t < vocab: the target after token t; last: the root's
+    q_all = torch.softmax(target + spread * torch.randn(vocab + 1, vocab, generator=g), -1)
+    rounds, one_hot = [], []
+    for s in range(n):
+        tokens, parents, probs = [], [], []
+        for a in torch.multinomial(q_all[vocab], width, replacement=False, generator=g).tolist():
+            tokens.append(a), parents.append(-1), probs.append(q_all[vocab])
+        for i, a in enumerate(list(tokens)):
+            for b in torch.multinomial(q_all[a], 2, replacement=False, generator=g).tolist():
+                tokens.append(b), parents.append(i), probs.append(q_all[a])
+        logits = torch.stack([target[vocab]] + [target[t] for t in tokens])
+        seq = _seq(SamplingParams(temperature=1.0, seed=s))
+        rounds.append(Round(seq, Draft(tokens, torch.stack(probs), parents=parents), logits))
+        one_hot.append(Round(seq, Draft(tokens, parents=parents), logits))
+    results = verify_round(rounds)
+    p = torch.softmax(target.double(), -1)
+
+    def close(tokens: list[int], dist: torch.Tensor) -> bool:
+        freq = torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+        return bool(((freq - dist).abs() <= 5 * torch.sqrt(dist * (1 - dist) / len(tokens)) + 1 / len(tokens)).all())
+
+    assert close([r.tokens[0] for r in results], p[vocab])
+    after = [r.tokens[:2] for r in results if r.num_accepted >= 1]
+    top = max(range(vocab), key=lambda t: sum(1 for a in after if a[0] == t))
+    seconds = [a[1] for a in after if a[0] == top]
+    assert len(seconds) > 300 and close(seconds, p[top])
+    if spread < 1:
+        accepted = sum(r.num_accepted for r in results)
+        assert accepted > 1.2 * sum(r.num_accepted for r in verify_round(one_hot)), accepted
+
+
 def test_penalties_count_each_rows_own_ancestors():
     params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5)
     seq = _seq(params)

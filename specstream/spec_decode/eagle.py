@@ -1,7 +1,7 @@
-"""EagleProposer: drafts from a trained EAGLE-3-style head (see draft_head.py): for greedy requests where
-the target verifies trees, EAGLE-2's dynamic tree (_grow_trees: the likeliest branches at each depth, kept
-while each node's chance pays for its row); else a chain, which for a sampled request carries the head's q
-for rejection sampling.
+"""EagleProposer: drafts from a trained EAGLE-3-style head (see draft_head.py): where the target verifies
+trees, EAGLE-2's dynamic tree (_grow_trees: the likeliest branches at each depth for a greedy request,
+draws without replacement from the head's q for a sampled one, kept while each node's chance pays for its
+row); else a chain. A sampled request's drafts carry the head's q for rejection sampling.
 
 The head keeps its own one-layer KV pool. Row t of a sequence's head cache is computed from
 the target's features at position t and token t + 1, so it can be written once both are
@@ -38,6 +38,7 @@ import torch
 from specstream.calibration import CostModel, throwaway_tables
 from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
 from specstream.memory.kv import KVPool
+from specstream.spec_decode.head_tree import Node, keep_best, node_children, path_nodes
 from specstream.spec_decode.policy import ChainJudge
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
@@ -221,7 +222,8 @@ class EagleProposer(Proposer):
             if state is not None:
                 self.pool.trim(state.table, state.fed)
         for d in drafts:
-            d.probs = torch.stack(d.probs) if d.probs else None
+            if isinstance(d.probs, list):  # a chain's q, gathered row by row (a tree's is stacked already)
+                d.probs = torch.stack(d.probs) if d.probs else None
         return drafts
 
     def _ready(self, seq: Sequence, k: int) -> bool:
@@ -238,12 +240,11 @@ class EagleProposer(Proposer):
 
     def _grows_tree(self, seq: Sequence) -> bool:
         """Whether seq's drafts this round are a tree (_grow_trees; its passes feed up to `width` paths of
-        k - 1 rows) rather than a chain. Trees where the target verifies them, the drafts are judged (a
-        forward-time curve), and the request is greedy and under no grammar: a sampled chain carries the
-        head's q, and rejection sampling against it accepts more than a one-hot tree walk does (measured on
-        the tests' head at T=0.8: 77 against 17 tokens accepted), while a grammar masks a chain's drafts
-        one by one."""
-        return self.trees and self.target_cost is not None and seq.constraint is None and seq.params.greedy
+        k - 1 rows) rather than a chain: where the target verifies trees, the drafts are judged (a
+        forward-time curve), and the request is under no grammar (a grammar masks a chain's drafts one by
+        one). A sampled request's tree is drawn from the head's q and verified by recursive rejection
+        sampling (verify.py)."""
+        return self.trees and self.target_cost is not None and seq.constraint is None
 
     def _grow_trees(
         self,
@@ -258,17 +259,18 @@ class EagleProposer(Proposer):
         """EAGLE-2's dynamic draft tree for each active sequence, in drafts.
 
         Each depth expands the `width` likeliest nodes of the depth before (their chance: the product of the
-        head's probabilities along the path), each into its `width` likeliest
-        next tokens, in one head pass over every sequence: a pass feeds each expanded node with its ancestors
-        as a tree (attention.py's tree mask, over the head's own pool), so every row sees exactly its path. A
+        head's probabilities along the path), each into its `width` likeliest next tokens (a sampled
+        request's: `width` draws from q without replacement, head_tree.node_children), in one head pass over
+        every sequence: a pass feeds each expanded node with its ancestors as a tree (attention.py's tree mask, over the head's own pool), so every row sees exactly its path. A
         node is expanded only while its chance would still pay for a verified row and its share of the pass
         (its children are less likely still); growth stops at depth k. Then the nodes of every sequence are
         kept best first while they pay for their rows (ChainJudge.take), at most k per sequence: as likely
         as its path, a node is kept after its parent. Verification walks the tree by the target's argmax at
-        each row (verify.py)."""
+        each row, or for a sampled request by recursive rejection sampling against each node's q (verify.py)."""
         width = self.width
         # Per sequence: nodes (token, parent, chance, depth); the input hidden of a node's children.
-        nodes: dict[int, list[tuple[int, int, float, int]]] = {i: [] for i in active}
+        nodes: dict[int, list[Node]] = {i: [] for i in active}
+        q_of: dict[tuple[int, int], torch.Tensor] = {}  # [sampled] the q a node's children were drawn from
         child_hidden: dict[tuple[int, int], torch.Tensor] = {}
         out_logits = {(i, -1): logits[j] for j, i in enumerate(active)}  # -1: the root (the sequence's next token)
         for j, i in enumerate(active):
@@ -277,9 +279,12 @@ class EagleProposer(Proposer):
         depth = 0
         while frontier:
             depth += 1
-            children = self._children(torch.stack([out_logits[f] for f in frontier]))
+            owners = [(seqs[i], parent) for i, parent in frontier]
+            children = node_children(self.head, self.width, torch.stack([out_logits[f] for f in frontier]), owners, depth)
             grown: dict[int, list[int]] = {}
-            for (i, parent), (tokens, probs) in zip(frontier, children):
+            for (i, parent), (tokens, probs, q) in zip(frontier, children):
+                if q is not None:
+                    q_of[(i, parent)] = q
                 base = 1.0 if parent < 0 else nodes[i][parent][2]
                 for tok, p in zip(tokens, probs):
                     nodes[i].append((tok, parent, base * p, depth))
@@ -290,7 +295,7 @@ class EagleProposer(Proposer):
             picks = {
                 i: sorted(new, key=lambda n, i=i: -nodes[i][n][2])[:width] for i, new in grown.items() if ks[i] > depth
             }
-            rows = sum(len(self._path_nodes(nodes[i], ps)) for i, ps in picks.items())
+            rows = sum(len(path_nodes(nodes[i], ps)) for i, ps in picks.items())
             share = self.cost(rows) / max(rows, 1) if self.cost is not None else 0.0
             picks = {i: [n for n in ps if judge.worth(nodes[i][n][2], share)] for i, ps in picks.items()}
             frontier = [(i, n) for i, ps in picks.items() for n in ps]
@@ -299,12 +304,12 @@ class EagleProposer(Proposer):
             step_logits, step_hidden = self._tree_pass(seqs, nodes, picks, child_hidden)
             for r, f in enumerate(frontier):
                 out_logits[f], child_hidden[f] = step_logits[r], step_hidden[r]
-        self._keep_best(nodes, ks, judge, drafts)
+        keep_best(nodes, q_of, ks, judge, drafts)
 
     def _tree_pass(
         self,
         seqs: list[Sequence],
-        nodes: dict[int, list[tuple[int, int, float, int]]],
+        nodes: dict[int, list[Node]],
         picks: dict[int, list[int]],
         child_hidden: dict[tuple[int, int], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,59 +319,13 @@ class EagleProposer(Proposer):
         for i, ps in picks.items():
             if not ps:
                 continue
-            order = self._path_nodes(nodes[i], ps)
+            order = path_nodes(nodes[i], ps)
             index = {n: r for r, n in enumerate(order)}
             state = self._state[seqs[i].request_id]
             parents = [index.get(nodes[i][n][1], -1) for n in order]
             items.append(ForwardItem(state.table, state.fed, [nodes[i][n][0] for n in order], len(ps), parents))
             feed.extend(child_hidden[(i, nodes[i][n][1])] for n in order)
         return self._step(items, torch.stack(feed))
-
-    @staticmethod
-    def _keep_best(
-        nodes: dict[int, list[tuple[int, int, float, int]]], ks: list[int], judge: ChainJudge, drafts: list[Draft]
-    ) -> None:
-        """Keep nodes best first, across sequences, while they pay for their rows (at most k per sequence, a
-        node after its parent), as each sequence's tree draft."""
-        ranked = sorted(
-            ((c, d, i, n) for i, ns in nodes.items() for n, (_, _, c, d) in enumerate(ns)), key=lambda x: (-x[0], x[1])
-        )
-        kept: dict[int, list[int]] = {i: [] for i in nodes}
-        for chance, _, i, n in ranked:
-            parent = nodes[i][n][1]
-            if len(kept[i]) >= ks[i] or (parent >= 0 and parent not in kept[i]):
-                continue
-            if not judge.take(chance):
-                break
-            kept[i].append(n)
-        for i, ns in kept.items():
-            if not ns:
-                continue
-            index = {n: r for r, n in enumerate(ns)}
-            drafts[i] = Draft(
-                [nodes[i][n][0] for n in ns],
-                None,
-                "eagle",
-                chances=[nodes[i][n][2] for n in ns],
-                parents=[index.get(nodes[i][n][1], -1) for n in ns],
-            )
-
-    @staticmethod
-    def _path_nodes(nodes: list[tuple[int, int, float, int]], ends: list[int]) -> list[int]:
-        """The nodes on the paths to `ends`, by depth (parents first), `ends` last (they are the deepest)."""
-        seen: set[int] = set()
-        for n in ends:
-            while n >= 0 and n not in seen:
-                seen.add(n)
-                n = nodes[n][1]
-        inner = sorted((n for n in seen if n not in ends), key=lambda n: (nodes[n][3], n))
-        return inner + list(ends)
-
-    def _children(self, logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
-        """Each row's `width` likeliest next tokens (target ids) under the head's distribution, and their
-        probabilities (the chance that a greedy target's argmax is that token, as far as the head knows)."""
-        top = logits.float().softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
-        return list(zip(self.head.target_ids[top.indices].tolist(), top.values.tolist()))
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each sequence's waiting rows; return its last row's (logits, pre-norm output)."""

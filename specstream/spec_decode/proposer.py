@@ -35,7 +35,10 @@ class Draft:
     each token's parent, an earlier index, or -1 for a token that follows the sequence's last token; a
     chain is the tree whose parents are -1, 0, 1, ...). A tree is verified in one forward, each of its
     rows seeing only its own ancestors (attention.py), and the longest path the target agrees with is
-    accepted (verify.py). Trees carry one-hot proposals only (probs None)."""
+    accepted (verify.py). A tree's nodes may carry q (a sampled request's head tree): probs[j] is the
+    distribution node j was drawn from (its parent's row), and the children of a node are successive draws
+    from it without replacement, in index order, so that verify.py's recursive rejection sampling tries them
+    in the order drawn. A node is then only kept after its elder siblings (cut and main_chain keep that)."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
@@ -49,8 +52,8 @@ class Draft:
         if self.parents is not None:
             if len(self.parents) != len(self.tokens) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
                 raise ValueError("a draft tree's parents must each be -1 or an earlier token's index")
-            if self.probs is not None:
-                raise ValueError("draft trees carry one-hot proposals only")
+            if self.probs is not None and len(self.probs) != len(self.tokens):
+                raise ValueError("a draft tree's q needs one row per token")
             if all(p == i - 1 for i, p in enumerate(self.parents)):
                 self.parents = None  # a chain
 
@@ -82,7 +85,9 @@ class Draft:
                 path.append(i)
                 node = i
         chances = None if self.chances is None else [self.chances[i] for i in path]
-        return Draft([self.tokens[i] for i in path], None, self.method, self.num_forced, chances)
+        # Each node's first child is its first draw: the path is a chain of draws, each from its q.
+        probs = None if self.probs is None else self.probs[path]
+        return Draft([self.tokens[i] for i in path], probs, self.method, self.num_forced, chances)
 
 
 @dataclass

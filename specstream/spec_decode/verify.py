@@ -24,6 +24,14 @@ up among the row's children; the walk goes down while one matches, and the token
 emitted last. A one-hot proposal accepted this way is the multi-draft rejection sampler (SpecInfer)
 with deterministic drafts: every emitted token is a draw from the target's own distribution, the very
 draw plain decoding would make, so greedy and seeded output equal plain decoding's.
+
+A sampled tree with q (Draft.probs: a node's children drawn from its q without replacement, in index
+order) is walked by recursive rejection sampling (Jeon et al. 2024; SpecInfer's multi-draft sampling with
+draws without replacement): at a row, the children are tried in the order drawn, the i-th accepted with
+probability min(1, p_i(x) / q_i(x)), where q_i is q without the children tried before and p_i the
+residual left by their rejections, norm(max(p_{i-1} - q_{i-1}, 0)); the walk goes down the accepted child,
+and where every child is rejected the last residual draws the emitted token. Each test is the lossless
+rejection of one proposal from the distribution it was drawn from, so the emitted token follows p.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import torch
 
 from specstream.model.runner import tree_depths
 from specstream.spec_decode.proposer import Draft
-from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, probabilities_for, sample_from, uniform
+from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, STREAM_TREE_ACCEPT, apply_penalties, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
 
 
@@ -129,7 +137,11 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
     one_hot = [i for i in sampled if i not in with_q and i not in trees]
     results: list[RoundResult | None] = [None] * len(rounds)
     for i in sorted(trees):
-        results[i] = _verify_tree(rounds[i], logits[i] if rounds[i].seq.params.greedy else probs[i])
+        r = rounds[i]
+        if r.seq.params.greedy or r.draft.probs is None:
+            results[i] = _verify_tree(r, logits[i] if r.seq.params.greedy else probs[i])
+        else:
+            results[i] = _verify_tree_with_q(r, probs[i])
     for idx, verify, inputs in (
         (greedy, _verify_greedy, logits),
         (one_hot, _verify_one_hot, probs),
@@ -202,6 +214,43 @@ def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
         path.append(j)
         row = j + 1
     return RoundResult(len(path), [r.draft.tokens[j] for j in path] + [choice[row]], path, row not in children)
+
+
+def _verify_tree_with_q(r: Round, rows: torch.Tensor) -> RoundResult:
+    """Recursive rejection sampling down a tree whose children were drawn from q without replacement.
+    rows: the round's target probabilities, [k + 1, V]; r.draft.probs[j]: the q node j was drawn from."""
+    tokens, q_rows = r.draft.tokens, r.draft.probs
+    children: dict[int, list[int]] = {}
+    for j, parent in enumerate(r.draft.parents):
+        children.setdefault(parent + 1, []).append(j)
+    pos = r.seq.num_output_tokens
+    path, row = [], 0
+    while True:
+        depth = len(path)
+        p = rows[row].double()
+        accepted = None
+        if row in children:
+            q = q_rows[children[row][0]].double().clone()
+            for i, j in enumerate(children[row]):
+                x = tokens[j]
+                p_sum, q_sum = float(p.sum()), float(q.sum())
+                if p_sum <= 0 or q_sum <= 0:
+                    break
+                if uniform(r.seq.seed, pos + depth, STREAM_TREE_ACCEPT + i) * float(q[x]) / q_sum < float(p[x]) / p_sum:
+                    accepted = j
+                    break
+                p = (p / p_sum - q / q_sum).clamp_(min=0)
+                q[x] = 0.0
+        if accepted is None:
+            # Every child rejected (or a leaf: the bonus token). p == q leaves no residual mass, which
+            # rejection then has probability zero of reaching; rounding can: fall back to p.
+            if float(p.sum()) <= 0:
+                p = rows[row].double()
+            u = torch.tensor([uniform(r.seq.seed, pos + depth, STREAM_SAMPLE)], dtype=torch.float64)
+            last = int(sample_from(p[None], u)[0])
+            return RoundResult(len(path), [tokens[j] for j in path] + [last], path, row not in children)
+        path.append(accepted)
+        row = accepted + 1
 
 
 def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
