@@ -46,6 +46,15 @@ CONTEXT = 64
 # 1.04-1.11x and the two steps timed alternately 15 times 1.03-1.14x.)
 TIMING = "sweeps"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# A curve that prices a step of two tokens above SUSPECT_RATIO times a one-token step is suspect: a busy
+# spell while it was timed may have priced its small sizes high, and then no draft pays (a fresh sequence's
+# first draft, accepted half the time by the prior, pays only below 1.5x), so the policy never runs the
+# steps that would show the online correction its error. While it stays suspect, an idle server times its
+# sizes up to REFINE_UPTO again, at most once every REFINE_EVERY seconds, and keeps each size's faster time
+# (CostModel.refine; engine.Engine.idle).
+SUSPECT_RATIO = 1.3
+REFINE_UPTO = 8
+REFINE_EVERY = 60.0
 
 
 # Online correction (CostModel.observe): how far one observed step moves the curve toward it (a fraction
@@ -110,6 +119,22 @@ class CostModel:
         for j, w in self._weights(n):
             self.log_scale[j] = min(max(self.log_scale[j] + SHAPE_RATE * w * error, -SHAPE_BOUND), SHAPE_BOUND)
         self.observed += 1
+
+    def suspect(self) -> bool:
+        """Whether the curve as timed prices a second token above SUSPECT_RATIO times a one-token step."""
+        return self.tokens[0] == 1 and len(self.tokens) > 1 and self.timed(2) > SUSPECT_RATIO * self.timed(1)
+
+    def refine(self, fresh: CostModel) -> bool:
+        """Lower each timed size that `fresh` timed faster to its time (timing noise only ever adds time);
+        whether any moved. The online correction is kept."""
+        moved = False
+        for n, seconds in zip(fresh.tokens, fresh.seconds):
+            if n in self.tokens and seconds < self.seconds[self.tokens.index(n)]:
+                self.seconds[self.tokens.index(n)] = seconds
+                moved = True
+        for j in range(1, len(self.seconds)):  # a forward over more tokens never costs less
+            self.seconds[j] = max(self.seconds[j], self.seconds[j - 1])
+        return moved
 
     def save(self, path: Path) -> None:
         save_json(path, {"tokens": self.tokens, "seconds": self.seconds})

@@ -41,6 +41,41 @@ def test_a_busy_spell_while_timing_does_not_price_one_step_size_high(monkeypatch
     assert cost.seconds == pytest.approx([0.011, 0.012, 0.014])
 
 
+def test_a_suspect_curve_keeps_each_sizes_faster_time():
+    cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.016, 0.017, 0.020, 0.030])
+    assert cost.suspect()  # two tokens at 1.6x one: a fresh sequence's first draft never pays
+    assert cost.refine(CostModel([1, 2, 4, 8], [0.011, 0.0112, 0.012, 0.021]))
+    assert cost.seconds == pytest.approx([0.010, 0.0112, 0.012, 0.020, 0.030]) and not cost.suspect()
+    assert not cost.refine(CostModel([1, 2], [0.012, 0.011]))  # nothing faster: nothing moves
+
+
+def test_an_idle_engine_times_a_suspect_curves_small_sizes_again(tiny_model_dir, monkeypatch):
+    """A curve that priced a second token at 3x a one-token step (a busy spell while it was timed) stops
+    every first draft, so the steps that would correct it online never run. An idle engine times the
+    curve's small sizes again and keeps each size's faster time; then not again for a while."""
+    from specstream import Engine, EngineConfig, SpeculativeConfig, calibration
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram")), log=False)
+    cost = engine.policy.target_cost
+    two = cost.tokens.index(2)
+
+    def spoil() -> None:
+        cost.seconds[two] = 3 * cost.seconds[0]
+        cost.seconds[two:] = [max(x, cost.seconds[two]) for x in cost.seconds[two:]]
+
+    spoil()
+    assert cost.suspect() and engine.policy.choose(seqs(1), 1, 8) == [0]
+    timed: list[list[int]] = []
+    time_steps = calibration.time_steps
+    monkeypatch.setattr(calibration, "time_steps", lambda runner, sizes, *a, **kw: timed.append(sizes) or time_steps(runner, sizes, *a, **kw))
+    engine.idle()
+    assert timed == [[n for n in cost.tokens if n <= calibration.REFINE_UPTO]]
+    assert cost.timed(2) < 1.4 * cost.timed(1) and engine.policy.choose(seqs(1), 1, 8)[0] > 0
+    spoil()
+    engine.idle()  # within REFINE_EVERY of the last: not timed again
+    assert len(timed) == 1
+
+
 def test_free_verification_and_good_acceptance_drafts_long():
     policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
     assert policy.choose(seqs(1, accepted=20.0), base_tokens=1, budget=100) == [8]

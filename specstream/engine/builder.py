@@ -242,6 +242,25 @@ class Pricing:
     weights: str  # the weights' kernels, as the log names them
     runner: ModelRunner
     proposer: Proposer
+    next_refine: float = 0.0  # time.monotonic() before which a suspect curve is not timed again
+
+    def refine(self, cost: CostModel, kept: Path | None) -> bool:
+        """Time a suspect curve's small sizes again and keep each size's faster time (and the curve, where it
+        is kept); at most once every REFINE_EVERY seconds. Whether the curve moved."""
+        if not cost.suspect() or time.monotonic() < self.next_refine:
+            return False
+        self.next_refine = time.monotonic() + calibration.REFINE_EVERY
+        config = self.builder.config
+        compiled = calibration.compiled_rows(self.runner)
+        sizes, context = calibration.plan(config.max_num_batched_tokens, self.runner.pool.capacity, compiled)
+        fresh = calibration.time_steps(self.runner, [n for n in sizes if n <= calibration.REFINE_UPTO], context)
+        if fresh is None or not cost.refine(fresh):
+            return False
+        ratio = cost.timed(2) / cost.timed(1)
+        logger.info("forward-time curve timed again at its small sizes: two tokens %.2fx one", ratio)
+        if kept is not None:
+            cost.save(kept)
+        return True
 
     def price(self, forward: str, later: bool = False) -> tuple[CostModel | None, Path | None]:
         """The forward-time curve (None where k is not adaptive: no draft is priced) and the file it is

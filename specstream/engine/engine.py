@@ -146,7 +146,8 @@ class Engine:
     def idle(self) -> None:
         """Work for a moment without requests: install a finished background compile, price a forward that
         changed once no compile runs (timing steps on scratch blocks: a few seconds the first time,
-        milliseconds with a kept curve), and hand freed heap memory back to the system."""
+        milliseconds with a kept curve) or time a suspect curve's small sizes again (Pricing.refine), and
+        hand freed heap memory back to the system."""
         self.upgrade()
         # Not while a compile runs beside: its load would skew the timings, which are kept.
         if not self.priced and not self.compiling:
@@ -155,6 +156,8 @@ class Engine:
             self.calibration_file = kept
             if cost is not None:
                 self.policy.target_cost = cost
+        elif self.policy.target_cost is not None and not self.compiling:
+            self.pricing.refine(self.policy.target_cost, self.calibration_file)  # a suspect curve, now and then
         release_free_heap()
 
     # -------------------------------------------------------------------------- step
