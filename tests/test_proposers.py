@@ -20,6 +20,26 @@ def test_ngram_respects_min_n_and_k():
     assert NgramProposer(1, 2).lookup([1, 2, 3, 4, 1], 2) == [2, 3]
 
 
+def test_ngram_occurrences_are_every_earlier_match_of_the_longest_suffix_that_matched():
+    """The lookup (the last token's earlier occurrences, extended backwards) against the definition, on
+    random sequences over small and large vocabularies."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        low = rng.randint(1, 3)
+        p = NgramProposer(low, rng.randint(low, 6))
+        tokens = [rng.randint(0, rng.choice([1, 2, 4, 50])) for _ in range(rng.randint(1, 40))]
+        expected: tuple[list[int], int] = ([], 0)
+        for n in range(min(p.max_n, len(tokens) - 1), p.min_n - 1, -1):
+            hits = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+            if hits:
+                expected = (hits, n)
+                break
+        _, hits, n = p._occurrences(tokens)
+        assert (hits.tolist(), n) == expected, (tokens, p.min_n, p.max_n)
+
+
 def test_ngram_without_any_match_proposes_nothing():
     assert NgramProposer(1, 4).lookup([1, 2, 3, 4], 5) == []
 
