@@ -76,6 +76,21 @@ def test_an_idle_engine_times_a_suspect_curves_small_sizes_again(tiny_model_dir,
     assert len(timed) == 1
 
 
+def test_each_sequence_let_draft_is_charged_its_proposers_lookup_time():
+    """A first draft accepted half the time pays for a 2 ms row on a 10 ms step, not for the row and 4 ms of
+    lookups; a proposer learns its lookup time per drafting sequence from its own rounds."""
+    from specstream.spec_decode.ngram import NgramProposer
+
+    cost = CostModel([1, 2, 16], [0.010, 0.012, 0.040])
+    assert KPolicy(4, True, cost, lambda n: 0.0).choose(seqs(1), 1, 8)[0] > 0
+    assert KPolicy(4, True, cost, lambda n: 0.0, lambda: 0.004).choose(seqs(1), 1, 8) == [0]
+    ngram = NgramProposer(1, 4)
+    seq = Sequence("a", list(range(50)) * 4, SamplingParams(), 0)
+    assert ngram.lookup_cost() == 0.0
+    ngram.propose([seq, seq], [4, 0])
+    assert 0 < ngram.lookup_cost() < 0.01
+
+
 def test_free_verification_and_good_acceptance_drafts_long():
     policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
     assert policy.choose(seqs(1, accepted=20.0), base_tokens=1, budget=100) == [8]

@@ -45,6 +45,7 @@ without it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -157,10 +158,10 @@ class AutoProposer(Proposer):
 
     def pass_cost(self, num_seqs: int) -> float:
         """A draft's proposal cost as the k policy (policy.KPolicy) sees it before auto picks a
-        method: nothing. An n-gram lookup is free, and the head's steps are priced here, per sequence
-        and round, where the head is weighed against the other methods and plain decoding (propose).
-        Charging every draft a head step there would grant n-gram matches shorter drafts, or none,
-        than plain `ngram` gets."""
+        method: no pass. The lookups every sequence let draft runs (n-gram, suffix) are its lookup_cost,
+        as measured, and the head's steps are priced here, per sequence and round, where the head is
+        weighed against the other methods and plain decoding (propose). Charging every draft a head step
+        there would grant n-gram matches shorter drafts, or none, than plain `ngram` gets."""
         return 0.0
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
@@ -198,6 +199,7 @@ class AutoProposer(Proposer):
         price = StepPrice(self.target_cost, self.take_step_base(len(seqs)))
         head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
         head_step = self._head_step_cost()
+        started = time.perf_counter()  # the lookups and choices below: lookup_cost (the head's passes are priced apart)
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
@@ -238,6 +240,7 @@ class AutoProposer(Proposer):
                 choice.last_method, choice.last_kind = "ngram", ngram_kind
                 price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))
             choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
+        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
             # The head's chains are judged draft by draft against the step without the head's own estimates.

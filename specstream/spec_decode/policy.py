@@ -203,11 +203,21 @@ class KPolicy:
     """k for each decoding sequence of a step. Without a cost curve (or adaptive=False) every sequence
     drafts its cap, within the step's budget."""
 
-    def __init__(self, k_max: int, adaptive: bool, target_cost: CostModel | None, draft_pass_cost: Callable[[int], float]) -> None:
+    def __init__(
+        self,
+        k_max: int,
+        adaptive: bool,
+        target_cost: CostModel | None,
+        draft_pass_cost: Callable[[int], float],
+        lookup_cost: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        """draft_pass_cost(n): a drafter's pass over n sequences; lookup_cost(): what each sequence let draft
+        costs the proposer besides (Proposer.lookup_cost)."""
         self.k_max = k_max
         self.adaptive = adaptive and target_cost is not None
         self.target_cost = target_cost
         self.draft_pass_cost = draft_pass_cost
+        self.lookup_cost = lookup_cost
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
 
     def estimate(self, seq: Drafting) -> float:
@@ -234,6 +244,7 @@ class KPolicy:
                 left -= ks[-1]
             return ks
         alphas = [self.estimate(s) for s in seqs]
+        lookup = self.lookup_cost()
         ks = [0] * len(seqs)
         step = StepYield(float(len(seqs)), self.target_cost(base_tokens))
         tokens, drafting, max_k = base_tokens, 0, 0
@@ -244,7 +255,7 @@ class KPolicy:
             neg_gain, i = heapq.heappop(heap)
             new_drafting = drafting + (ks[i] == 0)
             new_max_k = max(max_k, ks[i] + 1)
-            new_cost = self.target_cost(tokens + 1) + new_max_k * self.draft_pass_cost(new_drafting)
+            new_cost = self.target_cost(tokens + 1) + new_max_k * self.draft_pass_cost(new_drafting) + new_drafting * lookup
             if not step.pays(-neg_gain, new_cost - step.seconds):
                 break
             step.add(-neg_gain, new_cost - step.seconds)

@@ -104,9 +104,16 @@ class ProposerContext:
     trees: bool = False  # whether drafts may be trees (Draft.parents): the target's attention verifies them
 
 
+# How far one measurement moves a proposer's lookup time per drafting sequence (Proposer.note_lookups).
+LOOKUP_RATE = 0.05
+
+
 class Proposer:
     # Target layers whose input hidden states the proposer reads (empty: none).
     aux_layers: tuple[int, ...] = ()
+    # Seconds of lookups (an n-gram match, a suffix tree's walk) a drafting sequence costs the proposer each
+    # round, learned from its own rounds (note_lookups); 0 for a proposer whose cost is its passes (pass_cost).
+    lookup_seconds: float = 0.0
     # [structured] lookup(tokens, k): continue a token list as this proposer would (n-gram lookup), so
     # that its drafts can follow tokens a grammar forces; None where drafts cannot follow them.
     lookup: Callable[[list[int], int], list[int]] | None = None
@@ -140,6 +147,17 @@ class Proposer:
     def pass_cost(self, num_seqs: int) -> float:
         """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
         return 0.0
+
+    def lookup_cost(self) -> float:
+        """Seconds a sequence let draft costs the proposer each round before any pass (its lookups), as
+        measured: the k policy charges it to each sequence it lets draft. (Called free, a lookup took a
+        third of a verified row's price at 8 streams: 0.5 ms a sequence, where a row adds 1.2 ms.)"""
+        return self.lookup_seconds
+
+    def note_lookups(self, seconds: float, num_seqs: int) -> None:
+        """num_seqs sequences' lookups took `seconds` this round."""
+        if num_seqs > 0:
+            self.lookup_seconds += LOOKUP_RATE * (seconds / num_seqs - self.lookup_seconds)
 
     def on_commit(self, seq: Sequence) -> None:
         """The target accepted some tokens of seq: drop state past them."""
