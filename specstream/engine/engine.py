@@ -56,10 +56,6 @@ def _usage(seq: Sequence) -> Usage:
     return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0)
 
 
-def _cut(draft: Draft, k: int) -> Draft:
-    return draft.cut(k)
-
-
 class Engine:
     """The step loop over parts that builder.EngineBuilder makes from an EngineConfig."""
 
@@ -165,6 +161,7 @@ class Engine:
         """One round over every running sequence: schedule, propose, forward, verify, update.
         Returns a chunk per sequence that gained tokens or failed."""
         self.upgrade()
+        begun = time.perf_counter()
         plan = self._schedule()
         if plan.empty:
             self._update_gauges()
@@ -184,6 +181,9 @@ class Engine:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
+        if decodes and not plan.prefills and not self.compiling:  # what letting drafts run delivered (StepOutcomes)
+            emitted = sum(len(r.tokens) for r in results[: len(decodes)] if isinstance(r, RoundResult))
+            self.policy.outcomes.observe(len(decodes), any(plan.ks), emitted, time.perf_counter() - begun)
         self._update_gauges()
         return outputs
 
@@ -280,7 +280,7 @@ class Engine:
             drafts = self.proposer.propose(plan.decodes, plan.ks)
         except Exception:  # noqa: BLE001 - find the sequence it belongs to
             return self._propose_one_by_one(plan.decodes, plan.ks, base)
-        return plan.decodes, [_cut(d, k) for d, k in zip(drafts, plan.ks)], []
+        return plan.decodes, [d.cut(k) for d, k in zip(drafts, plan.ks)], []
 
     # [structured] what forced drafts beyond k need: KV room and the step's spare token budget
     def _reserve_drafts(self, seq: Sequence, n: int) -> bool:
@@ -306,7 +306,7 @@ class Engine:
                 failed.append(self._fail(seq, exc))
                 continue
             decodes.append(seq)
-            drafts.append(_cut(draft, k))
+            drafts.append(draft.cut(k))
         return decodes, drafts, failed
 
     @staticmethod

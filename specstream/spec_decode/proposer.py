@@ -155,9 +155,14 @@ class Proposer:
         return self.lookup_seconds
 
     def note_lookups(self, seconds: float, num_seqs: int) -> None:
-        """num_seqs sequences' lookups took `seconds` this round."""
+        """num_seqs sequences' lookups took `seconds` this round. A round counts for at most 3x the estimate
+        so far (one descheduled round says little about the next, and an estimate raised high would stop
+        the drafting that measures it)."""
         if num_seqs > 0:
-            self.lookup_seconds += LOOKUP_RATE * (seconds / num_seqs - self.lookup_seconds)
+            each = seconds / num_seqs
+            if self.lookup_seconds > 0:
+                each = min(each, 3.0 * self.lookup_seconds)
+            self.lookup_seconds += LOOKUP_RATE * (each - self.lookup_seconds)
 
     def on_commit(self, seq: Sequence) -> None:
         """The target accepted some tokens of seq: drop state past them."""
