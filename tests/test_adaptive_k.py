@@ -91,41 +91,6 @@ def test_each_sequence_let_draft_is_charged_its_proposers_lookup_time():
     assert 0 < ngram.lookup_cost() < 0.01
 
 
-def test_drafting_that_delivered_fewer_tokens_a_second_than_plain_steps_runs_one_step_in_sixteen():
-    """Measured, not modelled: where steps that let drafts run delivered fewer tokens a second than steps
-    that did not (at about the same number of decoding sequences), the policy lets drafts run one step in
-    EXPLORE_EVERY, until they deliver more again."""
-    from specstream.spec_decode.policy import EXPLORE_EVERY, StepOutcomes
-
-    out = StepOutcomes()
-    for _ in range(40):
-        out.observe(8, False, 8, 0.020)  # 400 tokens a second
-        out.observe(8, True, 10, 0.030)  # 333
-    assert out.losing(8) and out.losing(15) and not out.losing(4) and not out.losing(16)  # 8-15 sequences
-    assert sum(out.allows(8) for _ in range(4 * EXPLORE_EVERY)) == 4
-    assert all(out.allows(1) for _ in range(5))  # nothing seen there: drafting is let run
-    for _ in range(100):
-        out.observe(8, True, 15, 0.030)  # 500: drafting delivers again
-    assert not out.losing(8) and out.allows(8)
-    policy = KPolicy(4, True, CostModel([1, 2, 16], [0.010, 0.0101, 0.012]), lambda n: 0.0)
-    assert policy.choose(seqs(1), 1, 8)[0] > 0
-    for _ in range(40):
-        policy.outcomes.observe(1, False, 1, 0.010)
-        policy.outcomes.observe(1, True, 1, 0.012)
-    ks = [policy.choose(seqs(1), 1, 8)[0] for _ in range(EXPLORE_EVERY)]
-    assert ks.count(0) == EXPLORE_EVERY - 1
-
-
-def test_the_engine_reports_each_decoding_steps_outcome(tiny_model_dir):
-    from specstream import Engine, EngineConfig, SpeculativeConfig
-
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=SpeculativeConfig(method="ngram")), log=False)
-    engine.generate(["a b c a b c a b", "x y z x y z"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-    seen = engine.policy.outcomes._by
-    assert {bucket for bucket, _ in seen} <= {1, 2} and any(bucket == 2 for bucket, _ in seen)
-    assert sum(tokens for tokens, _, _ in seen.values()) > 0
-
-
 def test_free_verification_and_good_acceptance_drafts_long():
     policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
     assert policy.choose(seqs(1, accepted=20.0), base_tokens=1, budget=100) == [8]

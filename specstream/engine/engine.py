@@ -161,7 +161,6 @@ class Engine:
         """One round over every running sequence: schedule, propose, forward, verify, update.
         Returns a chunk per sequence that gained tokens or failed."""
         self.upgrade()
-        begun = time.perf_counter()
         plan = self._schedule()
         if plan.empty:
             self._update_gauges()
@@ -181,9 +180,6 @@ class Engine:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
-        if decodes and not plan.prefills and not self.compiling:  # what letting drafts run delivered (StepOutcomes)
-            emitted = sum(len(r.tokens) for r in results[: len(decodes)] if isinstance(r, RoundResult))
-            self.policy.outcomes.observe(len(decodes), any(plan.ks), emitted, time.perf_counter() - begun)
         self._update_gauges()
         return outputs
 

@@ -199,7 +199,7 @@ class AutoProposer(Proposer):
         price = StepPrice(self.target_cost, self.take_step_base(len(seqs)))
         head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
         head_step = self._head_step_cost()
-        started = time.perf_counter()  # the lookups and choices below: lookup_cost (the head's passes are priced apart)
+        started = time.perf_counter()  # the lookups and choices below (lookup_cost; the head's passes are priced apart)
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue

@@ -261,12 +261,14 @@ class EagleProposer(Proposer):
         Each depth expands the `width` likeliest nodes of the depth before (their chance: the product of the
         head's probabilities along the path), each into its `width` likeliest next tokens (a sampled
         request's: `width` draws from q without replacement, head_tree.node_children), in one head pass over
-        every sequence: a pass feeds each expanded node with its ancestors as a tree (attention.py's tree mask, over the head's own pool), so every row sees exactly its path. A
-        node is expanded only while its chance would still pay for a verified row and its share of the pass
-        (its children are less likely still); growth stops at depth k. Then the nodes of every sequence are
-        kept best first while they pay for their rows (ChainJudge.take), at most k per sequence: as likely
-        as its path, a node is kept after its parent. Verification walks the tree by the target's argmax at
-        each row, or for a sampled request by recursive rejection sampling against each node's q (verify.py)."""
+        every sequence: a pass feeds each expanded node with its ancestors as a tree (attention.py's tree
+        mask, over the head's own pool), so every row sees exactly its path. A node is expanded only while
+        its chance would still pay for a verified row and its share of the pass (its children are less
+        likely still); growth stops at depth k. Then the nodes of every sequence are kept best first while
+        they pay for their rows (ChainJudge.take), at most k per sequence: as likely as its path, a node is
+        kept after its parent (head_tree.keep_best). Verification walks the tree by the target's argmax at
+        each row, or for a sampled request by recursive rejection sampling against each node's q
+        (verify.py)."""
         width = self.width
         # Per sequence: nodes (token, parent, chance, depth); the input hidden of a node's children.
         nodes: dict[int, list[Node]] = {i: [] for i in active}
@@ -280,7 +282,8 @@ class EagleProposer(Proposer):
         while frontier:
             depth += 1
             owners = [(seqs[i], parent) for i, parent in frontier]
-            children = node_children(self.head, self.width, torch.stack([out_logits[f] for f in frontier]), owners, depth)
+            rows_in = torch.stack([out_logits[f] for f in frontier])
+            children = node_children(self.head, self.width, rows_in, owners, depth)
             grown: dict[int, list[int]] = {}
             for (i, parent), (tokens, probs, q) in zip(frontier, children):
                 if q is not None:

@@ -199,52 +199,6 @@ class StepPrice:
         self.rows += rows
 
 
-# StepOutcomes: how fast each kind of step's record fades (per step of that kind), the weight (in steps)
-# both kinds need before they are compared, and how often a step may draft where drafting has been losing.
-OUTCOME_DECAY = 0.97
-OUTCOME_MIN = 20.0
-EXPLORE_EVERY = 16
-
-
-class StepOutcomes:
-    """What drafting gave, measured: the tokens a second that decoding steps delivered where the k policy let
-    some sequence draft (its proposer looked up drafts, whether or not it offered any) and where it let none,
-    by the number of decoding sequences (bucketed by powers of two), as decayed sums over whole steps
-    (proposing, forward, verifying and updating; steps with a prefill chunk are not counted). The policy's
-    model of a draft (acceptance times a row's price) leaves out what it cannot see: lookups it
-    underestimates, verification's sampling, the host's other work. Where drafting steps have delivered
-    fewer tokens a second than plain ones, drafting is allowed one step in EXPLORE_EVERY (which keeps the
-    drafting record current, so a change of text or of machine is seen), until it delivers more again."""
-
-    def __init__(self) -> None:
-        self._by: dict[tuple[int, bool], tuple[float, float, float]] = {}  # (bucket, drafted): tokens, seconds, weight
-        self._declined = 0
-
-    def observe(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A decoding step of num_seqs sequences, drafting let or not, emitted `tokens` in `seconds`."""
-        if num_seqs < 1 or not seconds > 0:
-            return
-        key = (num_seqs.bit_length(), drafted)
-        t, s, w = self._by.get(key, (0.0, 0.0, 0.0))
-        self._by[key] = (t * OUTCOME_DECAY + tokens, s * OUTCOME_DECAY + seconds, w * OUTCOME_DECAY + 1.0)
-
-    def rate(self, num_seqs: int, drafted: bool) -> float | None:
-        """Tokens a second of such steps lately (None while fewer than OUTCOME_MIN were seen)."""
-        t, s, w = self._by.get((num_seqs.bit_length(), drafted), (0.0, 0.0, 0.0))
-        return t / s if w >= OUTCOME_MIN and s > 0 else None
-
-    def losing(self, num_seqs: int) -> bool:
-        plain, drafting = self.rate(num_seqs, False), self.rate(num_seqs, True)
-        return plain is not None and drafting is not None and drafting < plain
-
-    def allows(self, num_seqs: int) -> bool:
-        """Whether a step of num_seqs decoding sequences may draft."""
-        if not self.losing(num_seqs):
-            return True
-        self._declined += 1
-        return self._declined % EXPLORE_EVERY == 0
-
-
 class KPolicy:
     """k for each decoding sequence of a step. Without a cost curve (or adaptive=False) every sequence
     drafts its cap, within the step's budget."""
@@ -265,7 +219,6 @@ class KPolicy:
         self.draft_pass_cost = draft_pass_cost
         self.lookup_cost = lookup_cost
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
-        self.outcomes = StepOutcomes()  # what drafting delivered (Engine.step reports every decoding step)
 
     def estimate(self, seq: Drafting) -> float:
         """seq's acceptance: its own record, pulled toward what drafts like its were accepted lately."""
@@ -290,8 +243,6 @@ class KPolicy:
                 ks.append(min(cap, left))
                 left -= ks[-1]
             return ks
-        if not self.outcomes.allows(len(seqs)):
-            return [0] * len(seqs)
         alphas = [self.estimate(s) for s in seqs]
         lookup = self.lookup_cost()
         ks = [0] * len(seqs)
@@ -304,7 +255,8 @@ class KPolicy:
             neg_gain, i = heapq.heappop(heap)
             new_drafting = drafting + (ks[i] == 0)
             new_max_k = max(max_k, ks[i] + 1)
-            new_cost = self.target_cost(tokens + 1) + new_max_k * self.draft_pass_cost(new_drafting) + new_drafting * lookup
+            passes = new_max_k * self.draft_pass_cost(new_drafting)
+            new_cost = self.target_cost(tokens + 1) + passes + new_drafting * lookup
             if not step.pays(-neg_gain, new_cost - step.seconds):
                 break
             step.add(-neg_gain, new_cost - step.seconds)
