@@ -35,12 +35,12 @@ def keep_best(
         ((c, d, i, n) for i, ns in nodes.items() for n, (_, _, c, d) in enumerate(ns)), key=lambda x: (-x[0], x[1])
     )
     kept: dict[int, list[int]] = {i: [] for i in nodes}
-    elder: dict[tuple[int, int], int] = {}  # (sequence, node): the last child of it seen, kept or not
+    last_child: dict[tuple[int, int], int] = {}  # (sequence, node): its child ranked last so far, kept or not
     for chance, _, i, n in ranked:
         parent = nodes[i][n][1]
-        first = elder.get((i, parent), -1)
-        elder[(i, parent)] = n
-        if len(kept[i]) >= ks[i] or (parent >= 0 and parent not in kept[i]) or (first >= 0 and first not in kept[i]):
+        elder = last_child.get((i, parent), -1)
+        last_child[(i, parent)] = n
+        if len(kept[i]) >= ks[i] or (parent >= 0 and parent not in kept[i]) or (elder >= 0 and elder not in kept[i]):
             continue
         if not judge.take(chance):
             break
