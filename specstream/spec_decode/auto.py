@@ -45,7 +45,6 @@ without it.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -199,48 +198,47 @@ class AutoProposer(Proposer):
         price = StepPrice(self.target_cost, self.take_step_base(len(seqs)))
         head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
         head_step = self._head_step_cost()
-        started = time.perf_counter()  # the lookups and choices below (lookup_cost; the head's passes are priced apart)
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            if k <= 0:
-                continue
-            choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance(), Acceptance()))
-            bucket = sampling_bucket(seq.params)
-            tokens, n = self.ngram.match(seq.token_ids, k)
-            plain = price.rate()
-            ngram_kind = f"ngram{min(n, 4)}"
-            ngram_prior = self.shared.prior(ngram_kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
-            ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
-            ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
-            head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
-            catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
-            head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
-            suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
-            factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
-            suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
-            if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
-                drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
-                choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
-                price.add(factor * choice.last_expected, suffix_m)
-            elif head_m and head_rate > plain and head_rate > ngram_rate:
-                # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
-                # up to k; without it, at the length best for the sequence's acceptance so far.
-                head_ks[i] = k if self.head.target_cost is not None else head_m
-                choice.last_method = choice.last_kind = "head"
-                gain = expected_tokens(head_a, head_m) - 1.0
-                price.add(gain, head_m, head_m * head_step + catch_up)
-                head_rows, head_gain = head_rows + head_m, head_gain + gain
-                if tokens:
-                    fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
-            elif tokens:
-                # Not the head: the match drafts as under method "ngram", all of it up to the k that the
-                # policy granted from the sequence's own acceptance (which weighs drafting against plain
-                # decoding). Judged again here by a prior per match length, short matches that pay would
-                # be declined.
-                drafts[i] = Draft(tokens, None, "ngram")
-                choice.last_method, choice.last_kind = "ngram", ngram_kind
-                price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))
-            choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
-        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
+        with self.timing_lookups(ks):  # the lookups and choices (lookup_cost; the head's passes are priced apart)
+            for i, (seq, k) in enumerate(zip(seqs, ks)):
+                if k <= 0:
+                    continue
+                choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance(), Acceptance()))
+                bucket = sampling_bucket(seq.params)
+                tokens, n = self.ngram.match(seq.token_ids, k)
+                plain = price.rate()
+                ngram_kind = f"ngram{min(n, 4)}"
+                ngram_prior = self.shared.prior(ngram_kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
+                ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
+                ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
+                head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
+                catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
+                head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
+                suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
+                factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
+                suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
+                if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
+                    drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
+                    choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
+                    price.add(factor * choice.last_expected, suffix_m)
+                elif head_m and head_rate > plain and head_rate > ngram_rate:
+                    # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
+                    # up to k; without it, at the length best for the sequence's acceptance so far.
+                    head_ks[i] = k if self.head.target_cost is not None else head_m
+                    choice.last_method = choice.last_kind = "head"
+                    gain = expected_tokens(head_a, head_m) - 1.0
+                    price.add(gain, head_m, head_m * head_step + catch_up)
+                    head_rows, head_gain = head_rows + head_m, head_gain + gain
+                    if tokens:
+                        fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
+                elif tokens:
+                    # Not the head: the match drafts as under method "ngram", all of it up to the k that the
+                    # policy granted from the sequence's own acceptance (which weighs drafting against plain
+                    # decoding). Judged again here by a prior per match length, short matches that pay would
+                    # be declined.
+                    drafts[i] = Draft(tokens, None, "ngram")
+                    choice.last_method, choice.last_kind = "ngram", ngram_kind
+                    price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))
+                choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
             # The head's chains are judged draft by draft against the step without the head's own estimates.

@@ -11,7 +11,6 @@ then the one seen most recently; so with one occurrence, or where they all agree
 from __future__ import annotations
 
 import heapq
-import time
 
 import numpy as np
 
@@ -34,11 +33,9 @@ class NgramProposer(Proposer):
         return cls(ctx.config.speculative.ngram_min, ctx.config.speculative.ngram_max, ctx.trees)
 
     def propose(self, seqs, ks):
-        started = time.perf_counter()
         draft = self.draft_tree if self.trees else lambda tokens, k: Draft(self.lookup(tokens, k), method="ngram")
-        drafts = [draft(s.token_ids, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
-        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
-        return drafts
+        with self.timing_lookups(ks):
+            return [draft(s.token_ids, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.match(tokens, k)[0]

@@ -13,7 +13,9 @@ its kind.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +155,13 @@ class Proposer:
         measured: the k policy charges it to each sequence it lets draft. (Called free, a lookup took a
         third of a verified row's price at 8 streams: 0.5 ms a sequence, where a row adds 1.2 ms.)"""
         return self.lookup_seconds
+
+    @contextmanager
+    def timing_lookups(self, ks: list[int]) -> Iterator[None]:
+        """Time the block as this round's lookups for the sequences of ks that may draft (note_lookups)."""
+        started = time.perf_counter()
+        yield
+        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
 
     def note_lookups(self, seconds: float, num_seqs: int) -> None:
         """num_seqs sequences' lookups took `seconds` this round. A round counts for at most 3x the estimate

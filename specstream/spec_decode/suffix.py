@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -130,10 +129,8 @@ class SuffixProposer(Proposer):
     # a grammar's forced tokens are drafted without a suffix continuation after them.
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        started = time.perf_counter()
-        drafts = [self.draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
-        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
-        return drafts
+        with self.timing_lookups(ks):
+            return [self.draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
 
     def draft(self, seq: Sequence, k: int) -> Draft:
         """The better of the request's own tree's draft and the global cache's (by the sum of chances: the
