@@ -238,6 +238,14 @@ def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int
         return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes, repeats)
 
 
+def refine_small_sizes(runner: ModelRunner, max_batched_tokens: int, cost: CostModel) -> bool:
+    """Time cost's sizes up to REFINE_UPTO again, as forward_cost timed them, and keep each size's faster time
+    (CostModel.refine); whether the curve moved."""
+    sizes, context = plan(max_batched_tokens, runner.pool.capacity, compiled_rows(runner))
+    fresh = time_steps(runner, [n for n in sizes if n <= REFINE_UPTO], context)
+    return fresh is not None and cost.refine(fresh)
+
+
 def forward_cost(runner: ModelRunner, max_batched_tokens: int, kept: Path | None = None, later: bool = False) -> CostModel:
     """The runner's forward time by step size. With a kept file, the curve an earlier start measured is
     read from it once a one-token step timed now agrees with it (TOLERANCE); else it is measured, and

@@ -250,11 +250,7 @@ class Pricing:
         if not cost.suspect() or time.monotonic() < self.next_refine:
             return False
         self.next_refine = time.monotonic() + calibration.REFINE_EVERY
-        config = self.builder.config
-        compiled = calibration.compiled_rows(self.runner)
-        sizes, context = calibration.plan(config.max_num_batched_tokens, self.runner.pool.capacity, compiled)
-        fresh = calibration.time_steps(self.runner, [n for n in sizes if n <= calibration.REFINE_UPTO], context)
-        if fresh is None or not cost.refine(fresh):
+        if not calibration.refine_small_sizes(self.runner, self.builder.config.max_num_batched_tokens, cost):
             return False
         ratio = cost.timed(2) / cost.timed(1)
         logger.info("forward-time curve timed again at its small sizes: two tokens %.2fx one", ratio)
