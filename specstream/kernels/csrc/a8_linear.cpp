@@ -54,6 +54,7 @@ struct Acts {
   std::vector<float> dx;      // [m, blocks]
   std::vector<float> sx;      // [m, blocks], dx * qsum
   std::vector<int32_t> qsum;  // [m, blocks]
+  std::vector<int32_t> offset;  // [m, blocks], 128 qsum: what VPDPBUSD's unsigned 8-bit codes (c + 128) add
 };
 
 template <typename T>
@@ -95,7 +96,7 @@ Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
   Acts a;
   a.m = m, a.k = k, a.blocks = k / kBlock;
   a.q.resize(m * k + 64);  // +64: vector loads past the last block stay in bounds
-  a.dx.resize(m * a.blocks), a.sx.resize(m * a.blocks), a.qsum.resize(m * a.blocks);
+  a.dx.resize(m * a.blocks), a.sx.resize(m * a.blocks), a.qsum.resize(m * a.blocks), a.offset.resize(m * a.blocks);
   alignas(64) float block[kBlock];
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < a.blocks; ++g) {
@@ -104,6 +105,7 @@ Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
       const int64_t i = r * a.blocks + g;
       quantize_block(block, a.q.data() + r * k + g * kBlock, &a.dx[i], &a.qsum[i]);
       a.sx[i] = a.dx[i] * static_cast<float>(a.qsum[i]);
+      a.offset[i] = 128 * a.qsum[i];
     }
   return a;
 }
@@ -217,7 +219,7 @@ void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
 
 // ---------------------------------------------------------------------------------------------------------------
 // AVX512-VNNI: a tile's 16 outputs in one vector; each block's 8 code vectors are unpacked once and multiplied
-// into up to 8 rows, whose sums stay in registers.
+// into up to 12 rows (vnni_rows), whose sums stay in registers.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
@@ -236,7 +238,7 @@ inline void unpack_block(const Weights& w, const uint8_t* block, __m512i (&v)[8]
 
 // The float steps of one block for one row: the same on the AMX path.
 inline __m512 block_epilogue(__m512i s, const Acts& a, int64_t x, bool four, __m512 d, __m512 mn, __m512 acc) {
-  if (!four) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[x]));
+  if (!four) s = _mm512_sub_epi32(s, _mm512_set1_epi32(a.offset[x]));
   const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[x]));
   acc = _mm512_fmadd_ps(scaled, d, acc);
   if (four) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[x]), acc);
@@ -247,34 +249,62 @@ inline __m512 load_half16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A row's 4 codes at p, broadcast to the 16 lanes: written as one 32-bit load, so that the compiler folds it into
+// VPDPBUSD as an embedded broadcast ({1to16}, a load, no shuffle). Copying a block's 32 codes to registers
+// first made it split 64-bit loads and broadcast from general registers: two more instructions per VPDPBUSD,
+// and the compute-bound row counts (8 and more) ran up to 2x slower.
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// ROWS rows (from r0) against tile t: each block's 8 code vectors are unpacked once and multiplied into every
+// row, whose sums stay in registers. CHAINS: independent integer sums per row, 2 where few rows give the
+// out-of-order core too little to overlap VPDPBUSD's latency, 1 from 4 rows on (one add fewer per block and
+// row). Integer sums, so the chains do not change the bits.
 template <int64_t ROWS>
 void vnni_rows(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* out) {
+  constexpr int64_t CHAINS = ROWS < 4 ? 2 : 1;
+  const int64_t k = a.k, blocks = a.blocks;
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* dx0 = a.dx.data() + r0 * blocks;
+  const float* sx0 = a.sx.data() + r0 * blocks;
+  const int32_t* off0 = a.offset.data() + r0 * blocks;
+  const bool four = w.four;
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.blocks; ++g) {
+  for (int64_t g = 0; g < blocks; ++g) {
     __m512i v[8];
     unpack_block(w, w.block(t, g), v);
     const __m512 d = load_half16(w.d(t, g));
-    const __m512 mn = w.four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
+    const __m512 mn = four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
     for (int64_t r = 0; r < ROWS; ++r) {
-      const int8_t* q = a.q.data() + (r0 + r) * a.k + g * kBlock;
-      int32_t quads[8];
-      std::memcpy(quads, q, sizeof(quads));
-      // Two chains of four, so that one row does not wait on VPDPBUSD's latency; integer sums, so exact.
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int64_t u = 0; u < 8; u += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, v[u], _mm512_set1_epi32(quads[u]));
-        s1 = _mm512_dpbusd_epi32(s1, v[u + 1], _mm512_set1_epi32(quads[u + 1]));
-      }
-      acc[r] = block_epilogue(_mm512_add_epi32(s0, s1), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
+      const int8_t* q = q0 + r * k + g * kBlock;
+      __m512i s[CHAINS];
+      for (int64_t c = 0; c < CHAINS; ++c) s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[c], broadcast4(q + 4 * c));
+      for (int64_t u = CHAINS; u < 8; u += CHAINS)
+        for (int64_t c = 0; c < CHAINS; ++c) s[c] = _mm512_dpbusd_epi32(s[c], v[u + c], broadcast4(q + 4 * (u + c)));
+      __m512i sum = s[0];
+      if constexpr (CHAINS == 2) sum = _mm512_add_epi32(sum, s[1]);
+      const int64_t x = r * blocks + g;
+      if (!four) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off0[x]));
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx0[x]));
+      acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
+      if (four) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx0[x]), acc[r]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 
+// Rows in passes of at most kVnniRows, the passes as even as can be (9 rows: one pass, not 8 and 1; 16: 8 and 8):
+// a pass's cost is mostly its rows', but each pass unpacks the tile's codes again.
+constexpr int64_t kVnniRows = 12;
+
 void vnni_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
-  for (int64_t done = 0; done < rows;) {
-    const int64_t n = std::min<int64_t>(8, rows - done);
+  const int64_t passes = (rows + kVnniRows - 1) / kVnniRows;
+  for (int64_t p = 0, done = 0; p < passes; ++p) {
+    const int64_t n = (rows - done) / (passes - p);  // the remaining rows spread over the remaining passes
     float* o = out + done * kTile;
     switch (n) {
       case 1: vnni_rows<1>(a, w, t, r0 + done, o); break;
@@ -284,7 +314,11 @@ void vnni_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
       case 5: vnni_rows<5>(a, w, t, r0 + done, o); break;
       case 6: vnni_rows<6>(a, w, t, r0 + done, o); break;
       case 7: vnni_rows<7>(a, w, t, r0 + done, o); break;
-      default: vnni_rows<8>(a, w, t, r0 + done, o); break;
+      case 8: vnni_rows<8>(a, w, t, r0 + done, o); break;
+      case 9: vnni_rows<9>(a, w, t, r0 + done, o); break;
+      case 10: vnni_rows<10>(a, w, t, r0 + done, o); break;
+      case 11: vnni_rows<11>(a, w, t, r0 + done, o); break;
+      default: vnni_rows<12>(a, w, t, r0 + done, o); break;
     }
     done += n;
   }
