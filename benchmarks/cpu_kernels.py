@@ -7,6 +7,9 @@ torch uses (2 here), best of N interleaved runs, weights and keys random but lai
   (the route above the rows where q8_linear wins), the LM head's shape;
 - a8_linear (x rounded to 8-bit blocks, integer dot products) vs q4_linear and q8_linear on the same blocks,
   with each one's cost at k rows over its cost at one row (what makes a verification cheap or dear);
+- Q4_K (GGUF's super-blocks, most files users bring): the dense bf16 GEMM (how such weights were served before
+  specstream read them) against q4_linear and a8_linear on the file's blocks, float32 scales, at a Llama 3.2 1B
+  layer's shapes (Q4_K needs rows of whole 256-input super-blocks: the bundled model's 576 are not);
 - short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
   with torch.compile as in the forward, over a paged pool.
 
@@ -24,7 +27,7 @@ import torch
 
 from specstream.kernels import cpu as cpu_kernels
 from specstream.model.attention import attend_short
-from specstream.kernels.weights import Int4Weights, Int8Blocks
+from specstream.kernels.weights import Int4Weights, Int8Blocks, q4_k_weights
 from specstream.kernels.quant import PackedA8, PackedInt4, PackedInt8Blocks, PackedQ4
 
 
@@ -46,6 +49,16 @@ def random_int4(n: int, k: int, gen: torch.Generator) -> Int4Weights:
     scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
     mins = (-8 * scales + torch.randn(n, k // 32, generator=gen) * 1e-3).half().float()
     return Int4Weights(codes, scales, mins)
+
+
+def random_q4_k(n: int, k: int, gen: torch.Generator) -> Int4Weights:
+    """Q4_K super-blocks as a file holds them (random codes, 6-bit scales and minimums, float16 d and dmin), read
+    as specstream reads them: blocks of 32 with float32 scales."""
+    raw = torch.randint(0, 256, (n * k // 256, 144), generator=gen, dtype=torch.uint8)
+    for start in (0, 2):
+        d = (torch.rand(len(raw), generator=gen) * 2e-3 + 1e-4).half()
+        raw[:, start : start + 2] = d.view(torch.uint8).view(-1, 2)
+    return q4_k_weights(raw.view(n, -1).numpy())
 
 
 def main() -> None:
@@ -104,6 +117,21 @@ def main() -> None:
             first = first or (t, o)
             cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x; {t / first[0]:.1f} / {o / first[1]:.1f})")
         print(f"| {'q4' if bits == 4 else 'q8'}_linear / a8_linear | {n}x{k} | " + " | ".join(cells) + " |")
+
+    print("\n| Q4_K, us (dense bf16 / q4_linear / a8_linear; over dense) | weight | "
+          + " | ".join(f"{r} rows" for r in args.rows) + " |")
+    print("|---|---|" + "---|" * len(args.rows))
+    for n, k in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]:  # qkv, o, gate+up, down
+        weights = random_q4_k(n, k, gen)
+        dense = weights.dequantize().bfloat16()
+        q4, a8 = PackedQ4(weights, cpu), PackedA8(weights, cpu)
+        cells = []
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            fns = [partial(torch.nn.functional.linear, x, dense), partial(q4, x), partial(a8, x)]
+            d, q, a = best_of(fns, max(3, args.repeats // 3))
+            cells.append(f"{d:.0f} / {q:.0f} / {a:.0f} ({d / q:.2f}x / {d / a:.2f}x)")
+        print(f"| Q4_K | {n}x{k} | " + " | ".join(cells) + " |")
 
     print("\n| short_attention, 9 heads over 3 of 64 | " + " | ".join(["context 256", "context 1024"]) + " |")
     print("|---|---|---|")

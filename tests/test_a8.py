@@ -18,7 +18,7 @@ from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
 from specstream.kernels.quant import PackedA8
-from specstream.kernels.weights import Int4Weights, Int8Blocks
+from specstream.kernels.weights import Int4Weights, Int8Blocks, q4_k_weights
 
 PATHS = {0: "scalar", 1: "avx2", 2: "avx512_vnni", 3: "amx_int8"}
 CPU = torch.device("cpu")
@@ -109,6 +109,14 @@ def reference(x: torch.Tensor, w: Int4Weights | Int8Blocks) -> torch.Tensor:
 
 
 def realistic(n: int, k: int, kind: str, seed: int) -> Int4Weights | Int8Blocks:
+    if kind == "q4_k":  # super-blocks of 256: float32 scales and mins (float16 cannot hold them)
+        rng = np.random.default_rng(seed)
+        raw = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+        for start in (0, 2):
+            raw[:, start : start + 2] = np.float16(rng.uniform(1e-4, 2e-3, size=len(raw))).view(np.uint8).reshape(-1, 2)
+        weights = q4_k_weights(raw.reshape(n, -1))
+        assert quant.block_scale_dtype(weights.scales, weights.mins) == torch.float32
+        return weights
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     if kind == "q8_0":
         return Int8Blocks.quantize(w, torch.float16)
@@ -120,10 +128,10 @@ def realistic(n: int, k: int, kind: str, seed: int) -> Int4Weights | Int8Blocks:
     return int4
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_gives_the_same_bits_and_the_reference_sum(paths, kind, dtype):
-    n, k = 96, 576
+    n, k = 96, 768
     w = realistic(n, k, kind, seed=4)
     packed = PackedA8(w, CPU)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(5)).to(dtype)
@@ -138,8 +146,9 @@ def test_every_path_gives_the_same_bits_and_the_reference_sum(paths, kind, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it(paths, dtype):
-    w = realistic(64, 1536, "q4_1", seed=6)
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(paths, dtype, kind):
+    w = realistic(64, 1536, kind, seed=6)
     packed = PackedA8(w, CPU)
     x = torch.randn(27, 1536, generator=torch.Generator().manual_seed(7)).to(dtype)
     alone = torch.cat([a8(x[i : i + 1], packed) for i in range(27)])

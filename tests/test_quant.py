@@ -1,13 +1,14 @@
 """Quantized projections: the int4 layout represents GGUF's 4-bit blocks exactly, the kernels compute
 what the layout says, and speculative output still equals plain output with quantized weights."""
 
+import numpy as np
 import pytest
 import torch
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
-from specstream.kernels.weights import source_int4_weights
+from specstream.kernels.weights import q4_k_weights, read_gguf_blocks, source_int4_weights
 from specstream.kernels.weights import Int4Weights, Int8Blocks
 from specstream.kernels.quant import Linear, LinearFactory, PackedInt4, PackedInt8
 
@@ -75,21 +76,58 @@ def test_4bit_block_kernel_multiplies_by_the_files_weights(n, k):
     assert packed(torch.randn(0, k)).shape == (0, n)
 
 
-def test_4bit_blocks_the_kernel_cannot_hold_take_torchs_int4_kernel(monkeypatch):
+def random_q4_k(rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF Q4_K super-blocks as a file holds them, [rows, k / 256 * 144] bytes: random codes, 6-bit scales and
+    minimums, and float16 d and dmin of a trained model's size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * (k // 256), 144), dtype=np.uint8)
+    for start in (0, 2):
+        blocks[:, start : start + 2] = np.float16(rng.uniform(1e-4, 2e-3, size=len(blocks))).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_q4_k_super_blocks_are_read_as_the_files_weights(tmp_path):
+    """A Q4_K super-block (256 inputs: float16 d and dmin, 6-bit scale and minimum per 32) in a GGUF file becomes
+    affine blocks of 32 with float32 scales: the weights are ggml's dequantization of the file, bit for bit, and
+    the scales are ones float16 cannot hold (so the kernels take them in float32)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize
+
+    raw = random_q4_k(48, 512)
+    writer = GGUFWriter(str(tmp_path / "q4_k.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = read_gguf_blocks(tmp_path / "q4_k.gguf", ["blk.0.ffn_down.weight"])["blk.0.ffn_down.weight"]
+    assert weights.codes.shape == (48, 512) and weights.scales.shape == weights.mins.shape == (48, 16)
+    assert np.array_equal(weights.dequantize().numpy(), dequantize(raw, GGMLQuantizationType.Q4_K))
+    assert quant.block_scale_dtype(weights.scales, weights.mins) == torch.float32
+    assert quant.block_scale_dtype(random_int4().scales, random_int4().mins) == torch.float16
+
+
+def test_4bit_blocks_float16_cannot_hold_keep_float32_scales_in_specstreams_kernels(monkeypatch):
+    """Q4_K's scales (and any others float16 cannot hold) are kept in float32: q4_linear and a8 still serve them,
+    with the file's weights (identity rows read them back), where torch's int4 kernel would round them to bf16."""
     if not cpu_kernels.load():
         pytest.skip("specstream's CPU kernels did not build (no g++)")
-    wide = random_int4(64, 64)
-    wide.scales[0, 0] = 1e-3 + 1e-9  # not a float16
-    assert not quant.PackedQ4.fits(wide)
-    for weights in (wide, random_int4(64, 64)):
-        factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})
-        lin = factory(["w"], torch.zeros(weights.codes.shape))
-        assert lin.packed.kernel[0] == ("q4" if quant.PackedQ4.fits(weights) else "int4")
-        x = torch.randn(3, 64)
-        torch.testing.assert_close(lin.packed(x), x @ lin.dense.t(), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": random_int4(64, 64)})
-    assert factory(["w"], torch.zeros(64, 64)).packed.kernel[0] == "int4"
+    weights = q4_k_weights(random_q4_k(64, 512, seed=1))
+    packed = quant.PackedQ4(weights, torch.device("cpu"))
+    assert packed.scales.dtype == packed.mins.dtype == torch.float32
+    assert packed.nbytes == 64 * 512 // 2 + 2 * 4 * 64 * (512 // 32)
+    assert torch.equal(packed(torch.eye(512)).t(), weights.dequantize())
+    for rows in (1, 4, 9, 13):
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        torch.testing.assert_close(packed(xb), (xb.float() @ weights.dequantize().t()).bfloat16(), rtol=1e-2, atol=1e-2)
+    factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})
+    lin = factory(["w"], torch.zeros(64, 512))
+    assert lin.packed.kernel[0] == "q4" and torch.equal(lin.dense, weights.dequantize())
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)  # without specstream's kernels: torch's int4 kernel
+    factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})
+    assert factory(["w"], torch.zeros(64, 512)).packed.kernel[0] == "int4"
 
 
 def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:

@@ -111,11 +111,19 @@ def _effective_int4(weights: Int4Weights | list[Int4Weights], dtype: torch.dtype
     return codes * scales.repeat_interleave(GROUP, 1) + zeros.repeat_interleave(GROUP, 1)
 
 
+def block_scale_dtype(*parts: torch.Tensor) -> torch.dtype:
+    """The dtype a packed layout keeps block scales and minimums in: float16 where it holds them exactly (a GGUF
+    file's Q4_0/Q4_1/Q8_0 d and m are float16), else float32 (Q4_K's d and m: a super-block's float16 d times a
+    6-bit sub-block scale, up to 17 significant bits). Either way the weights multiplied are the file's."""
+    exact = all(torch.equal(t.float().half().float(), t.float()) for t in parts)
+    return torch.float16 if exact else torch.float32
+
+
 class PackedQ4:
     """4-bit block weights (Int4Weights) for specstream's CPU kernel (cpu_kernels.q4_linear), in its layout:
-    tiles of 16 outputs, two inputs' codes per byte, float16 d and m. The weights it multiplies are
-    d * c + m in float32, the file's exactly (torch's int4 kernel rounds d and m to bf16 in a bf16 model).
-    `fits` says whether a weight can take it: 16 | N, and d and m exact in float16 (a GGUF file's are)."""
+    tiles of 16 outputs, two inputs' codes per byte, d and m in float16 (float32 where float16 cannot hold them:
+    block_scale_dtype). The weights it multiplies are d * c + m in float32, the file's exactly (torch's int4
+    kernel rounds d and m to bf16 in a bf16 model). `fits` says whether a weight can take it: 16 | N, 32 | K."""
 
     bits = 4
 
@@ -123,8 +131,9 @@ class PackedQ4:
         n, k = weights.codes.shape
         c = weights.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
         self.codes = (c[..., 0] | c[..., 1] << 4).contiguous().to(device)
+        dtype = block_scale_dtype(weights.scales, weights.mins)
         self.scales, self.mins = (
-            t.view(n // 16, 16, k // GROUP).permute(0, 2, 1).half().contiguous().to(device) for t in (weights.scales, weights.mins)
+            t.view(n // 16, 16, k // GROUP).permute(0, 2, 1).to(dtype).contiguous().to(device) for t in (weights.scales, weights.mins)
         )
         self.shape = (n, k)
         self.kernel: Kernel = ("q4", self.codes, self.scales, self.mins)
@@ -133,8 +142,7 @@ class PackedQ4:
     @staticmethod
     def fits(weights: Int4Weights) -> bool:
         n, k = weights.codes.shape
-        exact = all(torch.equal(t.half().float(), t) for t in (weights.scales, weights.mins))
-        return n % 16 == 0 and k % GROUP == 0 and exact
+        return n % 16 == 0 and k % GROUP == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)
@@ -168,9 +176,9 @@ class PackedInt8Blocks:
 class PackedA8:
     """GGUF block weights (4-bit Int4Weights, or 8-bit Int8Blocks) for specstream's a8_linear kernel, which
     quantizes x to 8-bit blocks and sums the products as integers (csrc/a8_linear.cpp gives the layout and the
-    numerics): tiles of 16 outputs, blocks of 32 inputs in VNNI order, float16 d (and m for 4 bits). Its outputs
-    differ slightly from the dense weights' (x is rounded to 8 bits) but do not depend on the other rows of a
-    call. `fits`: 16 | N, 32 | K, and d and m exact in float16 (a GGUF file's are)."""
+    numerics): tiles of 16 outputs, blocks of 32 inputs in VNNI order, d (and m for 4 bits) in float16, or float32
+    where float16 cannot hold them (block_scale_dtype: Q4_K). Its outputs differ slightly from the dense weights'
+    (x is rounded to 8 bits) but do not depend on the other rows of a call. `fits`: 16 | N, 32 | K."""
 
     def __init__(self, weights: Int4Weights | Int8Blocks, device: torch.device) -> None:
         n, k = weights.codes.shape
@@ -180,14 +188,16 @@ class PackedA8:
             # [tile, i, block, j] -> per block: vector v holds inputs 4v..4v+3 (low nibble) and 16+4v.. (high)
             c = weights.codes.view(tiles, 16, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [t, g, v, i, b, half]
             codes = c[..., 0] | c[..., 1] << 4
-            self.mins = weights.mins.view(tiles, 16, blocks).permute(0, 2, 1).half().contiguous().to(device)
+            dtype = block_scale_dtype(weights.scales, weights.mins)
+            self.mins = weights.mins.view(tiles, 16, blocks).permute(0, 2, 1).to(dtype).contiguous().to(device)
         else:
             self.bits = 8
             c = (weights.codes.to(torch.int16) + 128).to(torch.uint8).view(tiles, 16, blocks, 8, 4)
             codes = c.permute(0, 2, 3, 1, 4)  # [t, g, u, i, b]
-            self.mins = torch.empty(0, dtype=torch.float16, device=device)
+            dtype = block_scale_dtype(weights.scales)
+            self.mins = torch.empty(0, dtype=dtype, device=device)
         self.codes = codes.reshape(tiles, blocks, -1).contiguous().to(device)
-        self.scales = weights.scales.float().view(tiles, 16, blocks).permute(0, 2, 1).half().contiguous().to(device)
+        self.scales = weights.scales.float().view(tiles, 16, blocks).permute(0, 2, 1).to(dtype).contiguous().to(device)
         self.shape = (n, k)
         self.kernel: Kernel = ("a8", self.codes, self.scales, self.mins)
         self.nbytes = self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
@@ -195,9 +205,7 @@ class PackedA8:
     @staticmethod
     def fits(weights: Int4Weights | Int8Blocks) -> bool:
         n, k = weights.codes.shape
-        parts = (weights.scales, weights.mins) if isinstance(weights, Int4Weights) else (weights.scales,)
-        exact = all(torch.equal(t.float().half().float(), t.float()) for t in parts)
-        return n % 16 == 0 and k % GROUP == 0 and exact
+        return n % 16 == 0 and k % GROUP == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel, x)

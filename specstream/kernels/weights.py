@@ -1,5 +1,6 @@
-"""A model file's own quantized weights, as stored: 4-bit blocks (GGUF Q4_0/Q4_1) and 8-bit blocks
-(GGUF Q8_0), read without dequantizing and kept in the cache in their own layout.
+"""A model file's own quantized weights, as stored: 4-bit blocks (GGUF Q4_0/Q4_1, and Q4_K's super-blocks as
+blocks of 32 with float32 scales) and 8-bit blocks (GGUF Q8_0), read without dequantizing and kept in the cache
+in their own layout.
 
 Int4 format. torch's int4 kernels (tinygemm: ``_weight_int4pack_mm_for_cpu`` on CPU,
 ``_weight_int4pack_mm`` on CUDA) compute each weight in float32 as ``(c - 8) * scale + zero`` from a code
@@ -24,7 +25,7 @@ from specstream.cache import cache_dir
 
 GROUP = 32
 # Bumped when the layout of the on-disk int4 cache changes.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 
 
 @dataclass
@@ -99,7 +100,7 @@ SourceWeights = Int4Weights | Int8Blocks
 
 
 def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeights]:
-    """The Q4_0/Q4_1 and Q8_0 tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
+    """The Q4_0/Q4_1/Q4_K and Q8_0 tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     wanted = set(names)
@@ -113,6 +114,9 @@ def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeig
             d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
             codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
             out[tensor.name] = Int8Blocks(torch.from_numpy(codes), torch.from_numpy(d))
+            continue
+        if tensor.tensor_type == GGMLQuantizationType.Q4_K:
+            out[tensor.name] = q4_k_weights(np.asarray(tensor.data).reshape(rows, -1))
             continue
         if tensor.tensor_type == GGMLQuantizationType.Q4_1:
             block_bytes, has_min = 20, True
@@ -128,6 +132,33 @@ def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeig
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
         out[tensor.name] = Int4Weights(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
     return out
+
+
+Q4_K_BYTES = 144  # a Q4_K super-block: float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of 4-bit codes
+
+
+def q4_k_weights(raw: np.ndarray) -> Int4Weights:
+    """GGUF Q4_K super-blocks ([rows, super-blocks * 144] bytes) as affine 4-bit blocks of 32: a super-block of 256
+    inputs holds float16 d and dmin and, per sub-block j of 32, 6-bit sc_j and m_j, with w = (d sc_j) c - (dmin m_j)
+    (ggml's dequantize_row_q4_K, float32). So scale = d sc_j and min = -dmin m_j, each exact in float32 (11 by 6
+    significant bits), give the file's weights; float16 cannot hold them, so the kernels take them in float32.
+    Codes: sub-block 2i in the low nibbles of bytes 32i..32i+31 of the codes, sub-block 2i+1 in the high ones."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, Q4_K_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each, 0..63
+    scales = d * sc.astype(np.float32)
+    mins = -(dmin * m.astype(np.float32))
+    packed = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # [n, 4 pairs, low/high, 32]
+    return Int4Weights(
+        torch.from_numpy(codes.reshape(rows, -1).copy()),
+        torch.from_numpy(scales.reshape(rows, -1).copy()),
+        torch.from_numpy(mins.reshape(rows, -1).copy()),
+    )
 
 
 _LLAMA_GGUF_NAMES = {

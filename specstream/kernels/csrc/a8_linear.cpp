@@ -11,7 +11,8 @@
 // Numerics (every path, bit for bit). A row's block of x: amax = max |x_j|, dx = amax / 127, inv = 127 / amax
 // (0 where amax is 0), q_j = round-half-even(x_j * inv), qsum = sum q_j, sx = dx * qsum, all float32. A block of
 // weights is w = d c + m (float16 d and m from the file: Q4_1 as stored, Q4_0 with m = -8 d; Q8_0 signed codes
-// with m = 0). Per output, over blocks g in order:
+// with m = 0; float32 d and m for Q4_K, a super-block's d and dmin times its sub-block's 6-bit scale and minimum,
+// which float16 cannot hold). Per output, over blocks g in order:
 //     isum = sum_j c_j q_j                        (exact, int32)
 //     acc  = fma(float(isum) * dx, d, acc)        (float(isum) is exact: |isum| < 2^24)
 //     acc  = fma(m, sx, acc)                      (4-bit only)
@@ -25,7 +26,7 @@
 //                                          | c[i, 16 + 4 v + b] << 4; unpacked, the 8 vectors are AMX's B tile.
 //   8-bit codes [N / 16, K / 32, 512] uint8: c + 128, vector u (0..7) byte 4 i + b = c[i, 4 u + b] + 128
 //                                          (VPDPBUSD multiplies unsigned by signed bytes: isum = dot - 128 qsum).
-//   scales, mins [N / 16, K / 32, 16] float16 (mins empty for 8-bit).
+//   scales, mins [N / 16, K / 32, 16] float16, or float32 where float16 cannot hold them (Q4_K); mins empty for 8-bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -110,17 +111,24 @@ Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
   return a;
 }
 
-// The weights of one call, as PackedA8 holds them.
+// The weights of one call, as PackedA8 holds them: d and m in float16 (a GGUF file's Q4_0/Q4_1/Q8_0 blocks), or
+// in float32 where float16 cannot hold them (Q4_K: a super-block's float16 d times a 6-bit sub-block scale).
 struct Weights {
   const uint8_t* codes;
-  const c10::Half* scales;
-  const c10::Half* mins;  // null for 8-bit codes
+  const void* scales;
+  const void* mins;  // null for 8-bit codes
   int64_t n, k, blocks;
   bool four;  // 4-bit codes (else 8-bit)
+  bool f32;   // scales and mins in float32 (else float16)
   int64_t block_bytes() const { return four ? 256 : 512; }
   const uint8_t* block(int64_t t, int64_t g) const { return codes + (t * blocks + g) * block_bytes(); }
-  const c10::Half* d(int64_t t, int64_t g) const { return scales + (t * blocks + g) * kTile; }
-  const c10::Half* mn(int64_t t, int64_t g) const { return mins + (t * blocks + g) * kTile; }
+  int64_t at(int64_t t, int64_t g) const { return (t * blocks + g) * kTile; }
+  static float one(const void* p, int64_t i, bool f32) {
+    return f32 ? static_cast<const float*>(p)[i] : static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  }
+  // Output i's d and m in block g of tile t.
+  float d(int64_t t, int64_t g, int64_t i) const { return one(scales, at(t, g) + i, f32); }
+  float m(int64_t t, int64_t g, int64_t i) const { return one(mins, at(t, g) + i, f32); }
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -143,8 +151,8 @@ void scalar_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t
         for (int64_t j = 0; j < kBlock; ++j) isum += code_at(w, t, g, i, j) * a.q[r * a.k + g * kBlock + j];
         const int64_t x = r * a.blocks + g;
         const float scaled = static_cast<float>(isum) * a.dx[x];
-        acc = std::fmaf(scaled, static_cast<float>(w.d(t, g)[i]), acc);
-        if (w.four) acc = std::fmaf(static_cast<float>(w.mn(t, g)[i]), a.sx[x], acc);
+        acc = std::fmaf(scaled, w.d(t, g, i), acc);
+        if (w.four) acc = std::fmaf(w.m(t, g, i), a.sx[x], acc);
       }
       out[(r - r0) * kTile + i] = acc;
     }
@@ -188,6 +196,12 @@ constexpr bool kAvx2Offsets =
     false;
 #endif
 
+// 8 of a block's d or m (from index i), float16 or float32.
+inline __m256 load8(const void* p, int64_t i, bool f32) {
+  if (f32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + i)));
+}
+
 void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
   for (int64_t half = 0; half < 2; ++half)
     for (int64_t r = r0; r < r0 + rows; ++r) {
@@ -204,10 +218,10 @@ void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
         const int64_t x = r * a.blocks + g;
         if (!w.four && kAvx2Offsets) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * a.qsum[x]));
         const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[x]));
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d(t, g) + half * 8)));
+        const __m256 d = load8(w.scales, w.at(t, g) + half * 8, w.f32);
         acc = _mm256_fmadd_ps(scaled, d, acc);
         if (w.four) {
-          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn(t, g) + half * 8)));
+          const __m256 mn = load8(w.mins, w.at(t, g) + half * 8, w.f32);
           acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[x]), acc);
         }
       }
@@ -245,8 +259,10 @@ inline __m512 block_epilogue(__m512i s, const Acts& a, int64_t x, bool four, __m
   return acc;
 }
 
-inline __m512 load_half16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// A block's 16 d or m (from index i), float16 or float32.
+inline __m512 load16(const void* p, int64_t i, bool f32) {
+  if (f32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + i)));
 }
 
 // A row's 4 codes at p, broadcast to the 16 lanes: written as one 32-bit load, so that the compiler folds it into
@@ -277,8 +293,8 @@ void vnni_rows(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* ou
   for (int64_t g = 0; g < blocks; ++g) {
     __m512i v[8];
     unpack_block(w, w.block(t, g), v);
-    const __m512 d = load_half16(w.d(t, g));
-    const __m512 mn = four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
+    const __m512 d = load16(w.scales, w.at(t, g), w.f32);
+    const __m512 mn = four ? load16(w.mins, w.at(t, g), w.f32) : _mm512_setzero_ps();
     for (int64_t r = 0; r < ROWS; ++r) {
       const int8_t* q = q0 + r * k + g * kBlock;
       __m512i s[CHAINS];
@@ -377,8 +393,8 @@ void amx_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t ro
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* q = a.q.data() + r0 * a.k;
   auto epilogue = [&](const int32_t* c, int64_t g) {
-    const __m512 d = load_half16(w.d(t, g));
-    const __m512 mn = w.four ? load_half16(w.mn(t, g)) : _mm512_setzero_ps();
+    const __m512 d = load16(w.scales, w.at(t, g), w.f32);
+    const __m512 mn = w.four ? load16(w.mins, w.at(t, g), w.f32) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; ++r)
       acc[r] = block_epilogue(_mm512_load_si512(c + r * 16), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
   };
@@ -493,27 +509,29 @@ Acts quantize_input(const at::Tensor& x) {
   }
 }
 
-// x [M, K]; codes [N / 16, K / 32, 256 or 512] uint8; scales [N / 16, K / 32, 16] float16; mins the same for
+// x [M, K]; codes [N / 16, K / 32, 256 or 512] uint8; scales [N / 16, K / 32, 16] float16 or float32; mins the same for
 // 4-bit codes, empty for 8-bit; path -1 picks the fastest (any gives the same bits). Returns [M, N] in x's dtype.
 at::Tensor a8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in,
                      const at::Tensor& mins_in, int64_t path) {
   TORCH_CHECK(x_in.dim() == 2 && codes_in.dim() == 3 && scales_in.dim() == 3, "a8_linear: 2-d x, 3-d codes and scales");
-  TORCH_CHECK(codes_in.scalar_type() == at::kByte && scales_in.scalar_type() == at::kHalf, "a8_linear: uint8 codes, float16 scales");
+  const auto scale_type = scales_in.scalar_type();
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte && (scale_type == at::kHalf || scale_type == at::kFloat),
+              "a8_linear: uint8 codes, float16 or float32 scales");
   const bool four = codes_in.size(2) == 256;
   const int64_t m = x_in.size(0), k = x_in.size(1), n = codes_in.size(0) * kTile, blocks = k / kBlock;
   TORCH_CHECK((four || codes_in.size(2) == 512) && k % kBlock == 0 && codes_in.size(1) == blocks &&
                   scales_in.size(0) == codes_in.size(0) && scales_in.size(1) == blocks && scales_in.size(2) == kTile,
               "a8_linear: x [M, K], codes [N / 16, K / 32, 256 or 512], scales [N / 16, K / 32, 16] with K a multiple of "
               "32; got ", x_in.sizes(), ", ", codes_in.sizes(), ", ", scales_in.sizes());
-  TORCH_CHECK(!four || (mins_in.scalar_type() == at::kHalf && mins_in.sizes() == scales_in.sizes()),
-              "a8_linear: 4-bit codes need float16 mins shaped as the scales");
+  TORCH_CHECK(!four || (mins_in.scalar_type() == scale_type && mins_in.sizes() == scales_in.sizes()),
+              "a8_linear: 4-bit codes need mins shaped as the scales, of their dtype");
   at::Tensor y = at::empty({m, n}, x_in.options());
   if (m == 0 || n == 0) return y;
   const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous(), scales = scales_in.contiguous();
   const at::Tensor mins = four ? mins_in.contiguous() : at::Tensor();
   const Acts a = quantize_input(x);
-  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), four ? mins.data_ptr<c10::Half>() : nullptr,
-                  n, k, blocks, four};
+  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr(), four ? mins.data_ptr() : nullptr, n, k, blocks, four,
+                  scale_type == at::kFloat};
   const int64_t chosen = pick_path(path, m);
   switch (x.scalar_type()) {
     case at::kFloat: run(a, w, chosen, y.data_ptr<float>()); break;

@@ -10,7 +10,8 @@
 //
 // Layout (quant.PackedQ4), tiles of 16 outputs:
 //   codes  [N / 16, K / 2, 16] uint8: byte [t, j, i] holds c[16 t + i, 2 j] (low nibble) and c[16 t + i, 2 j + 1]
-//   scales [N / 16, K / 32, 16] float16: d of output 16 t + i in block g; mins the same for m.
+//   scales [N / 16, K / 32, 16] float16: d of output 16 t + i in block g; mins the same for m. float32 where float16
+//   cannot hold them (Q4_K's d is a super-block's float16 d times a 6-bit sub-block scale).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -42,8 +43,13 @@ constexpr int64_t kRows = 12;  // rows of x per pass over a tile
 // One pass of ROWS rows over a tile's K / 32 blocks: block_sums(g, part) leaves each row's CHAINS partial sums of
 // c * x over block g in part, and the block's d and m then apply once: acc += d * sum + m * sum(x) (xsum: each
 // row's sums of x per block, [rows, K / 32]).
-template <int64_t ROWS, int64_t CHAINS, typename BlockSums>
-inline void over_blocks(int64_t k, const c10::Half* scales, const c10::Half* mins, const float* xsum, __m512* out,
+// A block's 16 d or m: float16 (a GGUF file's Q4_0/Q4_1), or float32 where float16 cannot hold them (Q4_K: a
+// super-block's float16 d times a sub-block's 6-bit scale).
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <int64_t ROWS, int64_t CHAINS, typename S, typename BlockSums>
+inline void over_blocks(int64_t k, const S* scales, const S* mins, const float* xsum, __m512* out,
                         BlockSums&& block_sums) {
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
@@ -53,8 +59,8 @@ inline void over_blocks(int64_t k, const c10::Half* scales, const c10::Half* min
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t c = 0; c < CHAINS; ++c) part[r][c] = _mm512_setzero_ps();
     block_sums(g, part);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kTile)));
+    const __m512 d = load16(scales + g * kTile);
+    const __m512 m = load16(mins + g * kTile);
     for (int64_t r = 0; r < ROWS; ++r) {
       __m512 sum = part[r][0];
       for (int64_t c = 1; c < CHAINS; ++c) sum = _mm512_add_ps(sum, part[r][c]);
@@ -68,9 +74,9 @@ inline void over_blocks(int64_t k, const c10::Half* scales, const c10::Half* min
 // ROWS rows of x (float32, row stride k) against one tile. Within a block the codes themselves multiply x
 // (CHAINS independent sums per row, 1, 2 or 4, so that few rows do not wait on the adder), and the block's d and m
 // apply once: sum_j (d c_j + m) x_j = d sum_j c_j x_j + m sum_j x_j, with xsum [rows, K / 32] the second sums.
-template <int64_t ROWS, int64_t CHAINS>
-inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_t* codes, const c10::Half* scales,
-                      const c10::Half* mins, __m512* out) {
+template <int64_t ROWS, int64_t CHAINS, typename S>
+inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_t* codes, const S* scales, const S* mins,
+                      __m512* out) {
   const __m512i low_mask = _mm512_set1_epi32(0x0F);
   over_blocks<ROWS, CHAINS>(k, scales, mins, xsum, out, [&](int64_t g, __m512 (&part)[ROWS][CHAINS]) {
     const uint8_t* cg = codes + g * (kBlock / 2) * kTile;
@@ -102,9 +108,9 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
 // bfloat16 values (exact: codes are 0..15), and one VDPBF16PS multiplies it into a pair of x's inputs: 32
 // multiply-adds an instruction, twice float32's 16, with the products exact and the sums in float32. This is
 // what makes several rows (a verification) cheaper; d and m apply per block as above.
-template <int64_t ROWS, int64_t CHAINS>
-inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* codes,
-                           const c10::Half* scales, const c10::Half* mins, __m512* out) {
+template <int64_t ROWS, int64_t CHAINS, typename S>
+inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* codes, const S* scales,
+                           const S* mins, __m512* out) {
   // bfloat16 bits of 0.0 .. 15.0, twice (vpermw indexes 32 words).
   alignas(64) static const uint16_t kCodes[32] = {
       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
@@ -152,9 +158,9 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
 // One pass of ROWS rows over a tile: with bfloat16 x where the CPU multiplies bfloat16 pairs (xb, its bits)
 // and there are 4 rows or more, else in float32 (x). At 1-3 rows the float32 path was as fast or up to 6%
 // faster (reading the codes bounds it); from 4 rows the pairs win, 1.2-1.7x at 9-16 rows.
-template <int64_t ROWS, int64_t CHAINS>
-inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t k, const uint8_t* codes,
-                 const c10::Half* scales, const c10::Half* mins, __m512* out) {
+template <int64_t ROWS, int64_t CHAINS, typename S>
+inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t k, const uint8_t* codes, const S* scales,
+                 const S* mins, __m512* out) {
 #if defined(__AVX512BF16__)
   if (ROWS >= 4 && xb != nullptr) {
     tile_rows_bf16<ROWS, CHAINS>(xb, xsum, k, codes, scales, mins, out);
@@ -164,8 +170,8 @@ inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t 
   tile_rows<ROWS, CHAINS>(x, xsum, k, codes, scales, mins, out);
 }
 
-template <typename T>
-void run(const float* x, const uint16_t* xb, const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, T* y,
+template <typename T, typename S>
+void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scales, const S* mins, T* y,
          int64_t m_rows, int64_t n_rows, int64_t k) {
   const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
   std::vector<float> xsums(m_rows * blocks);
@@ -180,8 +186,8 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const c10::Ha
     __m512 out[kRows];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = codes + t * (k / 2) * kTile;
-      const c10::Half* d = scales + t * blocks * kTile;
-      const c10::Half* m = mins + t * blocks * kTile;
+      const S* d = scales + t * blocks * kTile;
+      const S* m = mins + t * blocks * kTile;
       for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) {
         const int64_t rows = std::min(kRows, m_rows - m0);
         const float* xm = x + m0 * k;
@@ -209,9 +215,9 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const c10::Ha
 #else
 
 // Without AVX-512: the same arithmetic, one weight at a time.
-template <typename T>
-void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const c10::Half* scales, const c10::Half* mins,
-         T* y, int64_t m_rows, int64_t n_rows, int64_t k) {
+template <typename T, typename S>
+void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const S* scales, const S* mins, T* y,
+         int64_t m_rows, int64_t n_rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, n_rows, kTile, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -234,12 +240,14 @@ void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const c10
 
 #endif
 
-// x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 16] uint8, scales and mins [N / 16, K / 32, 16] fp16;
-// returns [M, N] in x's dtype.
+// x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 16] uint8, scales and mins [N / 16, K / 32, 16] fp16 (or
+// fp32, both); returns [M, N] in x's dtype.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3 && mins.dim() == 3, "q4_linear: 2-d x, 3-d weights");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
-              "q4_linear: uint8 codes, float16 scales and mins");
+  const bool f32 = scales.scalar_type() == at::kFloat;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && (f32 || scales.scalar_type() == at::kHalf) &&
+                  mins.scalar_type() == scales.scalar_type(),
+              "q4_linear: uint8 codes, float16 (or float32) scales and mins of one dtype");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0) * kTile;
   TORCH_CHECK(k % kBlock == 0 && codes.size(1) == k / 2 && codes.size(2) == kTile && scales.size(0) == codes.size(0) &&
                   scales.size(1) == k / kBlock && scales.size(2) == kTile && mins.sizes() == scales.sizes(),
@@ -252,17 +260,21 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   if (m == 0) return y;
   const std::vector<float> widened = as_float(x);
   const auto* cp = c.data_ptr<uint8_t>();
-  const auto* sp = s.data_ptr<c10::Half>();
-  const auto* mp = mn.data_ptr<c10::Half>();
   // bfloat16 x is multiplied as it is (its bits, rows packed), float32 and float16 x as float32.
   at::Tensor packed = x.scalar_type() == at::kBFloat16 ? x.contiguous() : at::Tensor();
   const auto* xb = packed.defined() ? reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()) : nullptr;
-  switch (x.scalar_type()) {
-    case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k); break;
-    case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
-    case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k); break;
-    default: TORCH_CHECK(false, "q4_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
-  }
+  auto with_scales = [&](const auto* sp, const auto* mp) {
+    switch (x.scalar_type()) {
+      case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k); break;
+      case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
+      case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k); break;
+      default: TORCH_CHECK(false, "q4_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
+    }
+  };
+  if (f32)
+    with_scales(s.data_ptr<float>(), mn.data_ptr<float>());
+  else
+    with_scales(s.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>());
   return y;
 }
 
