@@ -18,7 +18,7 @@ from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
 from specstream.kernels.quant import PackedA8
-from specstream.kernels.weights import Int4Weights, Int8Blocks, q4_k_weights
+from specstream.kernels.weights import Int4Weights, Int8Blocks, q4_k_weights, q6_k_weights
 
 PATHS = {0: "scalar", 1: "avx2", 2: "avx512_vnni", 3: "amx_int8"}
 CPU = torch.device("cpu")
@@ -44,12 +44,13 @@ def a8(x: torch.Tensor, packed: PackedA8, path: int = -1) -> torch.Tensor:
     return torch.ops.specstream.a8_linear(x, packed.codes, packed.scales, packed.mins, path)
 
 
-def int_weights(n: int, k: int, bits: int, seed: int, q4_0: bool = False) -> Int4Weights | Int8Blocks:
-    """Block weights with unit scales, so that y is the integer sum itself (exact in float32 here)."""
+def int_weights(n: int, k: int, bits: int, seed: int, q4_0: bool = False, group: int = 32) -> Int4Weights | Int8Blocks:
+    """Block weights with unit scales, so that y is the integer sum itself (exact in float32 here). group 16: 8-bit
+    codes with a scale per 16 inputs (Q6_K's form)."""
     g = torch.Generator().manual_seed(seed)
     ones = torch.ones(n, k // 32)
     if bits == 8:
-        return Int8Blocks(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), ones)
+        return Int8Blocks(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), torch.ones(n, k // group))
     mins = -8 * ones if q4_0 else torch.zeros(n, k // 32)
     return Int4Weights(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), ones, mins)
 
@@ -63,11 +64,11 @@ def int_activations(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("bits", [4, 8, "q4_0"])
+@pytest.mark.parametrize("bits", [4, 8, "q4_0", "q6_k"])
 def test_integer_sums_match_numpy_bit_for_bit(paths, path, bits):
     need(paths, path)
-    m, n, k = 17, 48, 160  # 17 rows: two AMX passes (16 + 1), three VNNI ones (8 + 8 + 1)
-    w = int_weights(n, k, 8 if bits == 8 else 4, seed=1, q4_0=bits == "q4_0")
+    m, n, k = 17, 48, 160  # 17 rows: two AMX passes (16 + 1), two VNNI ones (8 + 9)
+    w = int_weights(n, k, 4 if bits in (4, "q4_0") else 8, seed=1, q4_0=bits == "q4_0", group=16 if bits == "q6_k" else 32)
     x = int_activations(m, k, seed=2)
     codes = w.codes.numpy().astype(np.int64)
     want = x.numpy().astype(np.int64) @ codes.T  # exact
@@ -100,15 +101,25 @@ def reference(x: torch.Tensor, w: Int4Weights | Int8Blocks) -> torch.Tensor:
     """The kernel's sum in float64 (the float steps in exact arithmetic)."""
     q, dx = torch.ops.specstream.a8_quantize(x)
     m, k = x.shape
+    group = k // w.scales.shape[1]  # 32, or 16 (8-bit codes with a scale per 16: Q6_K)
+    qb = q.double().view(m, k // group, group)
+    c = w.codes.double().view(w.codes.shape[0], -1, group)
+    dxg = dx.double().repeat_interleave(32 // group, dim=1)
+    y = (torch.einsum("mgj,ngj->mng", qb, c) * dxg[:, None] * w.scales.double()[None]).sum(-1)
     qb = q.double().view(m, k // 32, 32)
-    c = w.codes.double().view(w.codes.shape[0], -1, 32)
-    y = (torch.einsum("mgj,ngj->mng", qb, c) * dx.double()[:, None] * w.scales.double()[None]).sum(-1)
     if isinstance(w, Int4Weights):
         y += (w.mins.double()[None] * (dx.double() * qb.sum(-1))[:, None]).sum(-1)
     return y
 
 
 def realistic(n: int, k: int, kind: str, seed: int) -> Int4Weights | Int8Blocks:
+    if kind == "q6_k":  # super-blocks of 256: 6-bit codes less 32, a float32 scale per 16
+        rng = np.random.default_rng(seed)
+        raw = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+        raw[:, 208:210] = np.float16(rng.uniform(2e-5, 2e-4, size=len(raw))).view(np.uint8).reshape(-1, 2)
+        weights = q6_k_weights(raw.reshape(n, -1))
+        assert weights.group == 16
+        return weights
     if kind == "q4_k":  # super-blocks of 256: float32 scales and mins (float16 cannot hold them)
         rng = np.random.default_rng(seed)
         raw = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
@@ -128,7 +139,7 @@ def realistic(n: int, k: int, kind: str, seed: int) -> Int4Weights | Int8Blocks:
     return int4
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_gives_the_same_bits_and_the_reference_sum(paths, kind, dtype):
     n, k = 96, 768
@@ -146,7 +157,7 @@ def test_every_path_gives_the_same_bits_and_the_reference_sum(paths, kind, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["q4_1", "q4_k"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(paths, dtype, kind):
     w = realistic(64, 1536, kind, seed=6)
     packed = PackedA8(w, CPU)

@@ -130,6 +130,47 @@ def test_4bit_blocks_float16_cannot_hold_keep_float32_scales_in_specstreams_kern
     assert factory(["w"], torch.zeros(64, 512)).packed.kernel[0] == "int4"
 
 
+def random_q6_k(rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF Q6_K super-blocks as a file holds them, [rows, k / 256 * 210] bytes: random 6-bit codes and int8
+    scales, a float16 d of a trained model's size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * (k // 256), 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.float16(rng.uniform(2e-5, 2e-4, size=len(blocks))).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_q6_k_super_blocks_are_read_as_8bit_codes_with_a_scale_per_16_and_served_exactly(tmp_path):
+    """Q6_K (most Q4_K_M files' LM head, and some of their attn_v and ffn_down): 6-bit codes less 32 as int8, a
+    float32 scale d * sc_j per 16 inputs; the weights are ggml's dequantization of the file bit for bit, and
+    q8_linear multiplies by them (identity rows read them back) at every row count, under auto."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize
+
+    raw = random_q6_k(64, 512)
+    writer = GGUFWriter(str(tmp_path / "q6_k.gguf"), "llama")
+    writer.add_tensor("output.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = read_gguf_blocks(tmp_path / "q6_k.gguf", ["output.weight"])["output.weight"]
+    assert isinstance(weights, Int8Blocks) and weights.group == 16 and weights.scales.shape == (64, 32)
+    assert np.array_equal(weights.dequantize().numpy(), dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert weights.planes() is None  # the int4 layout's blocks are 32: torch's kernel cannot hold it
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    packed = quant.PackedInt8Blocks(weights, torch.device("cpu"))
+    assert packed.scales.shape == (4, 32, 16)
+    assert torch.equal(packed(torch.eye(512)).t(), weights.dequantize())
+    for rows in (1, 3, 4, 5, 9, 13):  # float32 chains, one sum a row, bfloat16 pairs, two passes
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        torch.testing.assert_close(packed(xb), (xb.float() @ weights.dequantize().t()).bfloat16(), rtol=1e-2, atol=1e-2)
+    lin = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})(["w"], torch.zeros(64, 512))
+    assert lin.packed.kernel[0] == "q8" and torch.equal(lin.dense, weights.dequantize())
+
+
 def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)

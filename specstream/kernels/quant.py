@@ -149,8 +149,9 @@ class PackedQ4:
 
 
 class PackedInt8Blocks:
-    """8-bit block weights (Int8Blocks), the file's codes and scales, in the layout of specstream's CPU kernel
-    (csrc/q8_linear.cpp): tiles of 16 outputs, each output's inputs 2j and 2j + 1 side by side."""
+    """8-bit block weights (Int8Blocks), the file's codes and scales (a scale per 32 inputs, Q8_0, or per 16, Q6_K),
+    in the layout of specstream's CPU kernel (csrc/q8_linear.cpp): tiles of 16 outputs, each output's inputs 2j and
+    2j + 1 side by side."""
 
     bits = 8
 
@@ -158,7 +159,8 @@ class PackedInt8Blocks:
         n, k = weights.codes.shape
         codes = weights.codes.to(torch.int8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
         self.codes = codes.reshape(n // 16, k // 2, 32).contiguous().to(device)
-        self.scales = weights.scales.float().view(n // 16, 16, k // GROUP).transpose(1, 2).contiguous().to(device)
+        blocks = k // weights.group  # a scale per 32 inputs (Q8_0) or per 16 (Q6_K)
+        self.scales = weights.scales.float().view(n // 16, 16, blocks).transpose(1, 2).contiguous().to(device)
         self.shape = (n, k)
         self.kernel: Kernel = ("q8", self.codes, self.scales)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
@@ -197,7 +199,8 @@ class PackedA8:
             dtype = block_scale_dtype(weights.scales)
             self.mins = torch.empty(0, dtype=dtype, device=device)
         self.codes = codes.reshape(tiles, blocks, -1).contiguous().to(device)
-        self.scales = weights.scales.float().view(tiles, 16, blocks).permute(0, 2, 1).to(dtype).contiguous().to(device)
+        scale_blocks = weights.scales.shape[1]  # K / 32, or K / 16 for 8-bit codes with a scale per 16 (Q6_K)
+        self.scales = weights.scales.float().view(tiles, 16, scale_blocks).permute(0, 2, 1).to(dtype).contiguous().to(device)
         self.shape = (n, k)
         self.kernel: Kernel = ("a8", self.codes, self.scales, self.mins)
         self.nbytes = self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
@@ -410,7 +413,7 @@ def a8_serves(device: torch.device) -> bool:
 def _source_planes(source: list[SourceWeights | None]) -> Int4Weights | list[Int4Weights] | None:
     """The int4 form of the source weights of one projection (several parameters fused along N): one
     plane for 4-bit blocks, two for one 8-bit tensor; None where a part has no source blocks, or mixes
-    4- and 8-bit ones."""
+    4- and 8-bit ones, or for 8-bit codes with a scale per 16 (Q6_K: the int4 layout's blocks are 32)."""
     if not source or any(s is None for s in source):
         return None
     if all(isinstance(s, Int4Weights) for s in source):

@@ -25,7 +25,7 @@ from specstream.cache import cache_dir
 
 GROUP = 32
 # Bumped when the layout of the on-disk int4 cache changes.
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4
 
 
 @dataclass
@@ -61,7 +61,8 @@ class Int4Weights:
 
 @dataclass
 class Int8Blocks:
-    """Symmetric 8-bit weights, GGUF Q8_0's form: w[n, k] = scales[n, g] * codes[n, k], g = k // 32.
+    """Symmetric 8-bit weights, GGUF Q8_0's form: w[n, k] = scales[n, g] * codes[n, k], g = k // 32; or with a
+    scale per 16 inputs, g = k // 16 (GGUF Q6_K: 6-bit codes less 32, `group` 16).
 
     No CPU kernel reads 8-bit codes with a scale per block of 32, but two 4-bit planes hold them exactly:
     with c = 16 hi + lo (hi = c >> 4 in -8..7, lo = c & 15 in 0..15), w = 16 d hi + d lo, and each term is
@@ -70,7 +71,12 @@ class Int8Blocks:
     (one), where a dense bf16 copy reads two."""
 
     codes: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N, K // 32] float32
+    scales: torch.Tensor  # [N, K // group] float32
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale: 32 (Q8_0), or 16 (Q6_K)."""
+        return self.codes.shape[1] // self.scales.shape[1]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> Int8Blocks:
@@ -84,9 +90,12 @@ class Int8Blocks:
         return cls(codes, scales)
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.repeat_interleave(GROUP, dim=1)
+        return self.codes.float() * self.scales.repeat_interleave(self.group, dim=1)
 
-    def planes(self) -> list[Int4Weights]:
+    def planes(self) -> list[Int4Weights] | None:
+        """The two 4-bit planes (None for a scale per 16: the int4 layout's blocks are 32)."""
+        if self.group != GROUP:
+            return None
         hi, lo = self.codes.to(torch.int16) >> 4, self.codes.to(torch.int16) & 15
         d = self.scales
         return [
@@ -100,7 +109,7 @@ SourceWeights = Int4Weights | Int8Blocks
 
 
 def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeights]:
-    """The Q4_0/Q4_1/Q4_K and Q8_0 tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
+    """The Q4_0/Q4_1/Q4_K, Q8_0 and Q6_K tensors among `names` (GGUF tensor names), read as stored: no dequantization."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     wanted = set(names)
@@ -117,6 +126,9 @@ def read_gguf_blocks(path: str | Path, names: list[str]) -> dict[str, SourceWeig
             continue
         if tensor.tensor_type == GGMLQuantizationType.Q4_K:
             out[tensor.name] = q4_k_weights(np.asarray(tensor.data).reshape(rows, -1))
+            continue
+        if tensor.tensor_type == GGMLQuantizationType.Q6_K:
+            out[tensor.name] = q6_k_weights(np.asarray(tensor.data).reshape(rows, -1))
             continue
         if tensor.tensor_type == GGMLQuantizationType.Q4_1:
             block_bytes, has_min = 20, True
@@ -158,6 +170,29 @@ def q4_k_weights(raw: np.ndarray) -> Int4Weights:
         torch.from_numpy(codes.reshape(rows, -1).copy()),
         torch.from_numpy(scales.reshape(rows, -1).copy()),
         torch.from_numpy(mins.reshape(rows, -1).copy()),
+    )
+
+
+Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, float16 d
+
+
+def q6_k_weights(raw: np.ndarray) -> Int8Blocks:
+    """GGUF Q6_K super-blocks ([rows, super-blocks * 210] bytes) as 8-bit codes with a scale per 16 inputs: a
+    super-block of 256 holds 6-bit codes q (0..63) and, per sub-block j of 16, an int8 scale sc_j, with one
+    float16 d: w = (d sc_j) (q - 32) (ggml's dequantize_row_q6_K). d sc_j is exact in float32 (11 by 8
+    significant bits) and q - 32 fits int8. Layout per half super-block of 128 inputs: input l (0..31) takes
+    the low nibble of ql[l], l + 32 that of ql[l + 32], l + 64 and l + 96 their high nibbles, with bits 0-1,
+    2-3, 4-5, 6-7 of qh[l] as the two high bits of each."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, Q6_K_BYTES)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(-1, 2, 4, 32)  # [n, half, quarter (ql[l], ql[l+32], high of ql[l], of ql[l+32]), l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = (ql | ((qh & 0x03) << 4)).astype(np.int8) - np.int8(32)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    return Int8Blocks(
+        torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy((d * sc).reshape(rows, -1).copy())
     )
 
 

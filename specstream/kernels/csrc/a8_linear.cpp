@@ -16,6 +16,8 @@
 //     isum = sum_j c_j q_j                        (exact, int32)
 //     acc  = fma(float(isum) * dx, d, acc)        (float(isum) is exact: |isum| < 2^24)
 //     acc  = fma(m, sx, acc)                      (4-bit only)
+// (8-bit codes with a scale per 16 inputs, GGUF Q6_K's: the first two steps per half block, each half's sum with
+// its own d, the first half first.)
 // and y = acc rounded once to x's dtype. The integer sums are exact and the float steps run in the same order
 // on every path, so a row's output never depends on the other rows of the call, on the row count, or on which
 // path served it (tests/test_a8.py checks each path and 1, 9 and 16 rows for identical bits).
@@ -26,7 +28,7 @@
 //                                          | c[i, 16 + 4 v + b] << 4; unpacked, the 8 vectors are AMX's B tile.
 //   8-bit codes [N / 16, K / 32, 512] uint8: c + 128, vector u (0..7) byte 4 i + b = c[i, 4 u + b] + 128
 //                                          (VPDPBUSD multiplies unsigned by signed bytes: isum = dot - 128 qsum).
-//   scales, mins [N / 16, K / 32, 16] float16, or float32 where float16 cannot hold them (Q4_K); mins empty for 8-bit.
+//   scales, mins [N / 16, K / 32, 16] (8-bit codes: or [N / 16, K / 16, 16], a scale per 16 inputs) float16, or float32 where float16 cannot hold them (Q4_K); mins empty for 8-bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -56,6 +58,7 @@ struct Acts {
   std::vector<float> sx;      // [m, blocks], dx * qsum
   std::vector<int32_t> qsum;  // [m, blocks]
   std::vector<int32_t> offset;  // [m, blocks], 128 qsum: what VPDPBUSD's unsigned 8-bit codes (c + 128) add
+  std::vector<int32_t> offset16;  // [m, 2 blocks], the same for each half block (weights with a scale per 16)
 };
 
 template <typename T>
@@ -98,6 +101,7 @@ Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
   a.m = m, a.k = k, a.blocks = k / kBlock;
   a.q.resize(m * k + 64);  // +64: vector loads past the last block stay in bounds
   a.dx.resize(m * a.blocks), a.sx.resize(m * a.blocks), a.qsum.resize(m * a.blocks), a.offset.resize(m * a.blocks);
+  a.offset16.resize(2 * m * a.blocks);
   alignas(64) float block[kBlock];
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < a.blocks; ++g) {
@@ -107,6 +111,10 @@ Acts quantize(const T* x, int64_t m, int64_t k, int64_t stride) {
       quantize_block(block, a.q.data() + r * k + g * kBlock, &a.dx[i], &a.qsum[i]);
       a.sx[i] = a.dx[i] * static_cast<float>(a.qsum[i]);
       a.offset[i] = 128 * a.qsum[i];
+      const int8_t* qi = a.q.data() + r * k + g * kBlock;
+      int32_t first = 0;
+      for (int64_t j = 0; j < kBlock / 2; ++j) first += qi[j];
+      a.offset16[2 * i] = 128 * first, a.offset16[2 * i + 1] = 128 * (a.qsum[i] - first);
     }
   return a;
 }
@@ -118,15 +126,17 @@ struct Weights {
   const void* scales;
   const void* mins;  // null for 8-bit codes
   int64_t n, k, blocks;
-  bool four;  // 4-bit codes (else 8-bit)
-  bool f32;   // scales and mins in float32 (else float16)
+  bool four;    // 4-bit codes (else 8-bit)
+  bool f32;     // scales and mins in float32 (else float16)
+  bool halves;  // 8-bit codes with a scale per 16 inputs (Q6_K), two a block (else one per block of 32)
   int64_t block_bytes() const { return four ? 256 : 512; }
   const uint8_t* block(int64_t t, int64_t g) const { return codes + (t * blocks + g) * block_bytes(); }
-  int64_t at(int64_t t, int64_t g) const { return (t * blocks + g) * kTile; }
+  // Index of the first of tile t's 16 scales in scale block s (s = g, or 2 g + h for the halves of block g).
+  int64_t at(int64_t t, int64_t s) const { return (t * (halves ? 2 * blocks : blocks) + s) * kTile; }
   static float one(const void* p, int64_t i, bool f32) {
     return f32 ? static_cast<const float*>(p)[i] : static_cast<float>(static_cast<const c10::Half*>(p)[i]);
   }
-  // Output i's d and m in block g of tile t.
+  // Output i's d and m in scale block s of tile t.
   float d(int64_t t, int64_t g, int64_t i) const { return one(scales, at(t, g) + i, f32); }
   float m(int64_t t, int64_t g, int64_t i) const { return one(mins, at(t, g) + i, f32); }
 };
@@ -147,11 +157,14 @@ void scalar_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t
     for (int64_t i = 0; i < kTile; ++i) {
       float acc = 0.f;
       for (int64_t g = 0; g < w.blocks; ++g) {
-        int32_t isum = 0;
-        for (int64_t j = 0; j < kBlock; ++j) isum += code_at(w, t, g, i, j) * a.q[r * a.k + g * kBlock + j];
-        const int64_t x = r * a.blocks + g;
-        const float scaled = static_cast<float>(isum) * a.dx[x];
-        acc = std::fmaf(scaled, w.d(t, g, i), acc);
+        const int64_t x = r * a.blocks + g, parts = w.halves ? 2 : 1;
+        for (int64_t h = 0; h < parts; ++h) {  // a scale per block, or one per half block
+          int32_t isum = 0;
+          for (int64_t j = h * kBlock / parts; j < (h + 1) * kBlock / parts; ++j)
+            isum += code_at(w, t, g, i, j) * a.q[r * a.k + g * kBlock + j];
+          const float scaled = static_cast<float>(isum) * a.dx[x];
+          acc = std::fmaf(scaled, w.d(t, parts * g + h, i), acc);
+        }
         if (w.four) acc = std::fmaf(w.m(t, g, i), a.sx[x], acc);
       }
       out[(r - r0) * kTile + i] = acc;
@@ -209,17 +222,20 @@ void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
       for (int64_t g = 0; g < w.blocks; ++g) {
         const uint8_t* block = w.block(t, g);
         const int8_t* q = a.q.data() + r * a.k + g * kBlock;
-        __m256i s = _mm256_setzero_si256();
-        for (int64_t u = 0; u < 8; ++u) {
-          int32_t quad;
-          std::memcpy(&quad, q + 4 * u, 4);
-          s = dot4_avx2(s, unpack_half(w, block, u, half), _mm256_set1_epi32(quad), w.four);
+        const int64_t x = r * a.blocks + g, parts = w.halves ? 2 : 1;
+        for (int64_t h = 0; h < parts; ++h) {  // a scale per block, or one per half block (vectors 0-3, 4-7)
+          __m256i s = _mm256_setzero_si256();
+          for (int64_t u = h * 8 / parts; u < (h + 1) * 8 / parts; ++u) {
+            int32_t quad;
+            std::memcpy(&quad, q + 4 * u, 4);
+            s = dot4_avx2(s, unpack_half(w, block, u, half), _mm256_set1_epi32(quad), w.four);
+          }
+          const int32_t offset = w.halves ? a.offset16[2 * x + h] : a.offset[x];
+          if (!w.four && kAvx2Offsets) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset));
+          const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[x]));
+          const __m256 d = load8(w.scales, w.at(t, parts * g + h) + half * 8, w.f32);
+          acc = _mm256_fmadd_ps(scaled, d, acc);
         }
-        const int64_t x = r * a.blocks + g;
-        if (!w.four && kAvx2Offsets) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * a.qsum[x]));
-        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[x]));
-        const __m256 d = load8(w.scales, w.at(t, g) + half * 8, w.f32);
-        acc = _mm256_fmadd_ps(scaled, d, acc);
         if (w.four) {
           const __m256 mn = load8(w.mins, w.at(t, g) + half * 8, w.f32);
           acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[x]), acc);
@@ -313,6 +329,47 @@ void vnni_rows(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* ou
   for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 
+// The same for 8-bit codes with a scale per 16 inputs (Q6_K): a block's vectors 0-3 and 4-7 sum its two halves
+// (two chains, whatever the rows), each half with its own offset and scale.
+template <int64_t ROWS>
+void vnni_rows_halves(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* out) {
+  const int64_t k = a.k, blocks = a.blocks;
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* dx0 = a.dx.data() + r0 * blocks;
+  const int32_t* off0 = a.offset16.data() + 2 * r0 * blocks;
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < blocks; ++g) {
+    __m512i v[8];
+    unpack_block(w, w.block(t, g), v);
+    const __m512 d0 = load16(w.scales, w.at(t, 2 * g), w.f32), d1 = load16(w.scales, w.at(t, 2 * g + 1), w.f32);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const int8_t* q = q0 + r * k + g * kBlock;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], broadcast4(q));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], broadcast4(q + 16));
+      for (int64_t u = 1; u < 4; ++u) {
+        s0 = _mm512_dpbusd_epi32(s0, v[u], broadcast4(q + 4 * u));
+        s1 = _mm512_dpbusd_epi32(s1, v[u + 4], broadcast4(q + 16 + 4 * u));
+      }
+      const int64_t x = r * blocks + g;
+      s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(off0[2 * x]));
+      s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(off0[2 * x + 1]));
+      const __m512 dx = _mm512_set1_ps(dx0[x]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), dx), d0, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1), dx), d1, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int64_t ROWS>
+void vnni_pass(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* out) {
+  if (w.halves)
+    vnni_rows_halves<ROWS>(a, w, t, r0, out);
+  else
+    vnni_rows<ROWS>(a, w, t, r0, out);
+}
+
 // Rows in passes of at most kVnniRows, the passes as even as can be (9 rows: one pass, not 8 and 1; 16: 8 and 8):
 // a pass's cost is mostly its rows', but each pass unpacks the tile's codes again.
 constexpr int64_t kVnniRows = 12;
@@ -323,18 +380,18 @@ void vnni_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
     const int64_t n = (rows - done) / (passes - p);  // the remaining rows spread over the remaining passes
     float* o = out + done * kTile;
     switch (n) {
-      case 1: vnni_rows<1>(a, w, t, r0 + done, o); break;
-      case 2: vnni_rows<2>(a, w, t, r0 + done, o); break;
-      case 3: vnni_rows<3>(a, w, t, r0 + done, o); break;
-      case 4: vnni_rows<4>(a, w, t, r0 + done, o); break;
-      case 5: vnni_rows<5>(a, w, t, r0 + done, o); break;
-      case 6: vnni_rows<6>(a, w, t, r0 + done, o); break;
-      case 7: vnni_rows<7>(a, w, t, r0 + done, o); break;
-      case 8: vnni_rows<8>(a, w, t, r0 + done, o); break;
-      case 9: vnni_rows<9>(a, w, t, r0 + done, o); break;
-      case 10: vnni_rows<10>(a, w, t, r0 + done, o); break;
-      case 11: vnni_rows<11>(a, w, t, r0 + done, o); break;
-      default: vnni_rows<12>(a, w, t, r0 + done, o); break;
+      case 1: vnni_pass<1>(a, w, t, r0 + done, o); break;
+      case 2: vnni_pass<2>(a, w, t, r0 + done, o); break;
+      case 3: vnni_pass<3>(a, w, t, r0 + done, o); break;
+      case 4: vnni_pass<4>(a, w, t, r0 + done, o); break;
+      case 5: vnni_pass<5>(a, w, t, r0 + done, o); break;
+      case 6: vnni_pass<6>(a, w, t, r0 + done, o); break;
+      case 7: vnni_pass<7>(a, w, t, r0 + done, o); break;
+      case 8: vnni_pass<8>(a, w, t, r0 + done, o); break;
+      case 9: vnni_pass<9>(a, w, t, r0 + done, o); break;
+      case 10: vnni_pass<10>(a, w, t, r0 + done, o); break;
+      case 11: vnni_pass<11>(a, w, t, r0 + done, o); break;
+      default: vnni_pass<12>(a, w, t, r0 + done, o); break;
     }
     done += n;
   }
@@ -465,6 +522,9 @@ int64_t pick_path(int64_t requested, int64_t rows) {
 
 template <typename T>
 void run(const Acts& a, const Weights& w, int64_t path, T* y) {
+  // AMX tiles sum whole blocks of 32; weights with a scale per 16 (Q6_K) take the AVX512-VNNI path there (the
+  // same bits: every path sums the halves alike).
+  if (path == kAmx && w.halves) path = kAvx512Vnni;
   const int64_t tiles = w.n / kTile;
   const int64_t chunk = path == kAmx ? 16 : 64;  // rows per pass over a tile
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -519,8 +579,10 @@ at::Tensor a8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const a
               "a8_linear: uint8 codes, float16 or float32 scales");
   const bool four = codes_in.size(2) == 256;
   const int64_t m = x_in.size(0), k = x_in.size(1), n = codes_in.size(0) * kTile, blocks = k / kBlock;
+  const bool halves = !four && scales_in.size(1) == 2 * blocks;  // 8-bit codes, a scale per 16 inputs (Q6_K)
   TORCH_CHECK((four || codes_in.size(2) == 512) && k % kBlock == 0 && codes_in.size(1) == blocks &&
-                  scales_in.size(0) == codes_in.size(0) && scales_in.size(1) == blocks && scales_in.size(2) == kTile,
+                  scales_in.size(0) == codes_in.size(0) && (scales_in.size(1) == blocks || halves) &&
+                  scales_in.size(2) == kTile,
               "a8_linear: x [M, K], codes [N / 16, K / 32, 256 or 512], scales [N / 16, K / 32, 16] with K a multiple of "
               "32; got ", x_in.sizes(), ", ", codes_in.sizes(), ", ", scales_in.sizes());
   TORCH_CHECK(!four || (mins_in.scalar_type() == scale_type && mins_in.sizes() == scales_in.sizes()),
@@ -531,7 +593,7 @@ at::Tensor a8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const a
   const at::Tensor mins = four ? mins_in.contiguous() : at::Tensor();
   const Acts a = quantize_input(x);
   const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr(), four ? mins.data_ptr() : nullptr, n, k, blocks, four,
-                  scale_type == at::kFloat};
+                  scale_type == at::kFloat, halves};
   const int64_t chosen = pick_path(path, m);
   switch (x.scalar_type()) {
     case at::kFloat: run(a, w, chosen, y.data_ptr<float>()); break;

@@ -1,5 +1,6 @@
 // y = x @ W^T for weights in GGUF Q8_0's form (quant.py Int8Blocks): W[n, k] = d[n, k / 32] * c[n, k], int8 codes
-// and a float32 scale per block of 32, on CPU.
+// and a float32 scale per block of 32, on CPU; or per block of 16 (GGUF Q6_K: 6-bit codes, less 32, and a scale per
+// 16 inputs, a super-block's float16 d times the sub-block's int8 scale).
 //
 // torch has no kernel for 8-bit weights with a scale per block (its int8 kernel takes one per row), so these
 // were served as two 4-bit planes (1.25 bytes per weight read, two kernel calls). This reads the file's own
@@ -20,7 +21,7 @@
 // Layout (quant.PackedInt8Blocks), tiles of 16 outputs, each output's two inputs 2j, 2j + 1 side by side (the
 // pair a bfloat16 lane multiplies):
 //   codes  [N / 16, K / 2, 32] int8: byte [t, j, 2 i + h] = c[16 t + i, 2 j + h]
-//   scales [N / 16, K / 32, 16] float32: d of output 16 t + i in block g
+//   scales [N / 16, K / G, 16] float32: d of output 16 t + i in block g, G = 32 (Q8_0) or 16 (Q6_K)
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -32,6 +33,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,8 +44,7 @@ using specstream_kernels::store_tile;
 #endif
 
 constexpr int64_t kTile = 16;  // outputs per tile
-constexpr int64_t kBlock = 32;
-constexpr int64_t kPairs = kBlock / 2;  // input pairs per block
+constexpr int64_t kBlock = 32;  // inputs a row of x must come in multiples of; a scale's block: 32 or 16 (GROUP)
 
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -59,19 +60,20 @@ inline void widen_pair(const int8_t* c, __m512& low, __m512& high) {
 // ROWS rows of x (float32, row stride k) against one tile, in float32. Per block, CHAINS independent sums per row
 // and half (pairs j alternate between chains, so one row does not wait on the adder), for outputs 0..7 and 8..15
 // with each output's two inputs in adjacent lanes; at the block's end the lanes of a pair add up and d applies.
-template <int64_t ROWS, int64_t CHAINS>
+template <int64_t GROUP, int64_t ROWS, int64_t CHAINS>
 inline void tile_f32(const float* x, int64_t k, const int8_t* codes, const float* scales, __m512* out) {
+  constexpr int64_t kPairs = GROUP / 2;  // input pairs per block
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t blocks = k / kBlock;
+  const int64_t blocks = k / GROUP;
   for (int64_t g = 0; g < blocks; ++g) {
     __m512 low[ROWS][CHAINS], high[ROWS][CHAINS];
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t c = 0; c < CHAINS; ++c) low[r][c] = high[r][c] = _mm512_setzero_ps();
     const int8_t* cg = codes + g * kPairs * 2 * kTile;
-    const float* xg = x + g * kBlock;
+    const float* xg = x + g * GROUP;
     for (int64_t j0 = 0; j0 < kPairs; j0 += CHAINS) {
 #pragma GCC unroll 2
       for (int64_t c = 0; c < CHAINS; ++c) {
@@ -103,16 +105,17 @@ inline void tile_f32(const float* x, int64_t k, const int8_t* codes, const float
 
 // ROWS rows of bfloat16 x (its bits, row stride k) against one tile: per input pair, the 32 codes as bfloat16
 // (lane i: output i's two inputs) and one VDPBF16PS per row with the row's two inputs in every lane.
-template <int64_t ROWS>
+template <int64_t GROUP, int64_t ROWS>
 inline void tile_bf16(const uint16_t* x, int64_t k, const int8_t* codes, const float* scales, __m512* out) {
+  constexpr int64_t kPairs = GROUP / 2;
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t blocks = k / kBlock;
+  const int64_t blocks = k / GROUP;
   for (int64_t g = 0; g < blocks; ++g) {
     __m512 part[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) part[r] = _mm512_setzero_ps();
     const int8_t* cg = codes + g * kPairs * 2 * kTile;
-    const uint16_t* xg = x + g * kBlock;
+    const uint16_t* xg = x + g * GROUP;
     for (int64_t j = 0; j < kPairs; ++j) {
       __m512 wl, wh;
       widen_pair(cg + j * 2 * kTile, wl, wh);
@@ -132,42 +135,44 @@ inline void tile_bf16(const uint16_t* x, int64_t k, const int8_t* codes, const f
 #endif
 
 // Rows m0 .. m0 + rows of x against tile t (codes c, scales d) into out, by the float32 path.
+template <int64_t G>
 inline void pass_f32(const float* x, int64_t rows, int64_t k, const int8_t* c, const float* d, __m512* out) {
   switch (rows) {
-    case 1: tile_f32<1, 2>(x, k, c, d, out); break;
-    case 2: tile_f32<2, 2>(x, k, c, d, out); break;
-    case 3: tile_f32<3, 2>(x, k, c, d, out); break;
-    case 4: tile_f32<4, 1>(x, k, c, d, out); break;
-    case 5: tile_f32<5, 1>(x, k, c, d, out); break;
-    case 6: tile_f32<6, 1>(x, k, c, d, out); break;
-    case 7: tile_f32<7, 1>(x, k, c, d, out); break;
-    default: tile_f32<8, 1>(x, k, c, d, out); break;
+    case 1: tile_f32<G, 1, 2>(x, k, c, d, out); break;
+    case 2: tile_f32<G, 2, 2>(x, k, c, d, out); break;
+    case 3: tile_f32<G, 3, 2>(x, k, c, d, out); break;
+    case 4: tile_f32<G, 4, 1>(x, k, c, d, out); break;
+    case 5: tile_f32<G, 5, 1>(x, k, c, d, out); break;
+    case 6: tile_f32<G, 6, 1>(x, k, c, d, out); break;
+    case 7: tile_f32<G, 7, 1>(x, k, c, d, out); break;
+    default: tile_f32<G, 8, 1>(x, k, c, d, out); break;
   }
 }
 
 #if defined(__AVX512BF16__)
+template <int64_t G>
 inline void pass_bf16(const uint16_t* x, int64_t rows, int64_t k, const int8_t* c, const float* d, __m512* out) {
   switch (rows) {
-    case 1: tile_bf16<1>(x, k, c, d, out); break;
-    case 2: tile_bf16<2>(x, k, c, d, out); break;
-    case 3: tile_bf16<3>(x, k, c, d, out); break;
-    case 4: tile_bf16<4>(x, k, c, d, out); break;
-    case 5: tile_bf16<5>(x, k, c, d, out); break;
-    case 6: tile_bf16<6>(x, k, c, d, out); break;
-    case 7: tile_bf16<7>(x, k, c, d, out); break;
-    case 8: tile_bf16<8>(x, k, c, d, out); break;
-    case 9: tile_bf16<9>(x, k, c, d, out); break;
-    case 10: tile_bf16<10>(x, k, c, d, out); break;
-    case 11: tile_bf16<11>(x, k, c, d, out); break;
-    default: tile_bf16<12>(x, k, c, d, out); break;
+    case 1: tile_bf16<G, 1>(x, k, c, d, out); break;
+    case 2: tile_bf16<G, 2>(x, k, c, d, out); break;
+    case 3: tile_bf16<G, 3>(x, k, c, d, out); break;
+    case 4: tile_bf16<G, 4>(x, k, c, d, out); break;
+    case 5: tile_bf16<G, 5>(x, k, c, d, out); break;
+    case 6: tile_bf16<G, 6>(x, k, c, d, out); break;
+    case 7: tile_bf16<G, 7>(x, k, c, d, out); break;
+    case 8: tile_bf16<G, 8>(x, k, c, d, out); break;
+    case 9: tile_bf16<G, 9>(x, k, c, d, out); break;
+    case 10: tile_bf16<G, 10>(x, k, c, d, out); break;
+    case 11: tile_bf16<G, 11>(x, k, c, d, out); break;
+    default: tile_bf16<G, 12>(x, k, c, d, out); break;
   }
 }
 #endif
 
-template <typename T>
+template <typename T, int64_t G>
 void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* scales, T* y, int64_t m_rows,
          int64_t n_rows, int64_t k) {
-  const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
+  const int64_t tiles = n_rows / kTile, blocks = k / G;
   // bfloat16 pairs from 5 rows: below, widening the codes to bfloat16 costs more than the pairs save (measured on
   // an AMD EPYC: float32 faster at 1-3 rows, even at 4, pairs 1.2-1.4x faster at 5-16).
 #if defined(__AVX512BF16__)
@@ -186,10 +191,10 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
         const int64_t rows = std::min(group, m_rows - m0);
 #if defined(__AVX512BF16__)
         if (pairs)
-          pass_bf16(xb + m0 * k, rows, k, c, d, out);
+          pass_bf16<G>(xb + m0 * k, rows, k, c, d, out);
         else
 #endif
-          pass_f32(x + m0 * k, rows, k, c, d, out);
+          pass_f32<G>(x + m0 * k, rows, k, c, d, out);
         for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
       }
     }
@@ -199,10 +204,11 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
 #else
 
 // Without AVX-512: the same sums (per block, then d), one output at a time.
-template <typename T>
+template <typename T, int64_t G>
 void run(const float* x, const uint16_t* /*xb*/, const int8_t* codes, const float* scales, T* y, int64_t m_rows,
          int64_t n_rows, int64_t k) {
-  const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
+  const int64_t tiles = n_rows / kTile, blocks = k / G;
+  constexpr int64_t kPairs = G / 2;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* c = codes + t * (k / 2) * 2 * kTile;
@@ -226,16 +232,17 @@ void run(const float* x, const uint16_t* /*xb*/, const int8_t* codes, const floa
 
 #endif
 
-// x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 32] int8, scales [N / 16, K / 32, 16] float32; returns
-// [M, N] in x's dtype.
+// x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 32] int8, scales [N / 16, K / G, 16] float32 (G = 32 or
+// 16); returns [M, N] in x's dtype.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3, "q8_linear: 2-d x, 3-d codes and scales");
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat, "q8_linear: int8 codes, float32 scales");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0) * kTile;
+  const bool sixteen = k % kBlock == 0 && scales.size(1) == k / 16;
   TORCH_CHECK(k % kBlock == 0 && codes.size(1) == k / 2 && codes.size(2) == 2 * kTile && scales.size(0) == codes.size(0) &&
-                  scales.size(1) == k / kBlock && scales.size(2) == kTile,
-              "q8_linear: x [M, K], codes [N / 16, K / 2, 32], scales [N / 16, K / 32, 16] with K a multiple of 32; got ",
-              x.sizes(), ", ", codes.sizes(), ", ", scales.sizes());
+                  (scales.size(1) == k / kBlock || sixteen) && scales.size(2) == kTile,
+              "q8_linear: x [M, K], codes [N / 16, K / 2, 32], scales [N / 16, K / 32 or K / 16, 16] with K a multiple of "
+              "32; got ", x.sizes(), ", ", codes.sizes(), ", ", scales.sizes());
   auto c = codes.contiguous();
   auto s = scales.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
@@ -246,12 +253,19 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto* xb = packed.defined() ? reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()) : nullptr;
   const auto* cp = c.data_ptr<int8_t>();
   const auto* sp = s.data_ptr<float>();
-  switch (x.scalar_type()) {
-    case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, y.data_ptr<float>(), m, n, k); break;
-    case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
-    case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, y.data_ptr<c10::Half>(), m, n, k); break;
-    default: TORCH_CHECK(false, "q8_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
-  }
+  auto with_group = [&](auto group) {
+    constexpr int64_t G = decltype(group)::value;
+    switch (x.scalar_type()) {
+      case at::kFloat: run<float, G>(widened.data(), nullptr, cp, sp, y.data_ptr<float>(), m, n, k); break;
+      case at::kBFloat16: run<c10::BFloat16, G>(widened.data(), xb, cp, sp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
+      case at::kHalf: run<c10::Half, G>(widened.data(), nullptr, cp, sp, y.data_ptr<c10::Half>(), m, n, k); break;
+      default: TORCH_CHECK(false, "q8_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
+    }
+  };
+  if (sixteen)
+    with_group(std::integral_constant<int64_t, 16>{});
+  else
+    with_group(std::integral_constant<int64_t, 32>{});
   return y;
 }
 
