@@ -1,6 +1,6 @@
 """A model file's own quantized weights, as stored: 4-bit blocks (GGUF Q4_0/Q4_1, and Q4_K's super-blocks as
-blocks of 32 with float32 scales) and 8-bit blocks (GGUF Q8_0), read without dequantizing and kept in the cache
-in their own layout.
+blocks of 32 with float32 scales) and 8-bit blocks (GGUF Q8_0, and Q6_K's 6-bit codes with a scale per 16),
+read without dequantizing and kept in the cache in their own layout.
 
 Int4 format. torch's int4 kernels (tinygemm: ``_weight_int4pack_mm_for_cpu`` on CPU,
 ``_weight_int4pack_mm`` on CUDA) compute each weight in float32 as ``(c - 8) * scale + zero`` from a code
