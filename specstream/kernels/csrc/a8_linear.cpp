@@ -172,7 +172,8 @@ void scalar_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// AVX2 (8 outputs a vector, two halves a tile): VPDPBUSD on 256-bit vectors where the CPU has AVX-VNNI, else
+// AVX2 (8 outputs a vector, two halves a tile; a block's codes unpacked once for up to 4 rows): VPDPBUSD on
+// 256-bit vectors where the CPU has AVX-VNNI, else
 // VPMADDUBSW + VPMADDWD, which saturates 16-bit pair sums: 8-bit codes then go in as |c| against q with c's sign
 // (at most 2 * 128 * 127, which fits), an exact sum of c q without the + 128 offset.
 
@@ -215,34 +216,55 @@ inline __m256 load8(const void* p, int64_t i, bool f32) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + i)));
 }
 
-void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
-  for (int64_t half = 0; half < 2; ++half)
-    for (int64_t r = r0; r < r0 + rows; ++r) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t g = 0; g < w.blocks; ++g) {
-        const uint8_t* block = w.block(t, g);
-        const int8_t* q = a.q.data() + r * a.k + g * kBlock;
-        const int64_t x = r * a.blocks + g, parts = w.halves ? 2 : 1;
-        for (int64_t h = 0; h < parts; ++h) {  // a scale per block, or one per half block (vectors 0-3, 4-7)
+// ROWS rows (from r0) against tile t, a half tile (8 outputs) at a time: each block's 8 code vectors are unpacked
+// once and multiplied into every row (AVX2 has 16 vector registers: the codes, ROWS sums and a few more).
+template <int64_t ROWS>
+void avx2_rows(const Acts& a, const Weights& w, int64_t t, int64_t r0, float* out) {
+  const int64_t parts = w.halves ? 2 : 1;  // a scale per block, or one per half block (vectors 0-3, 4-7)
+  for (int64_t half = 0; half < 2; ++half) {
+    __m256 acc[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.blocks; ++g) {
+      const uint8_t* block = w.block(t, g);
+      __m256i v[8];
+      for (int64_t u = 0; u < 8; ++u) v[u] = unpack_half(w, block, u, half);
+      const __m256 mn = w.four ? load8(w.mins, w.at(t, g) + half * 8, w.f32) : _mm256_setzero_ps();
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const int8_t* q = a.q.data() + (r0 + r) * a.k + g * kBlock;
+        const int64_t x = (r0 + r) * a.blocks + g;
+        for (int64_t h = 0; h < parts; ++h) {
           __m256i s = _mm256_setzero_si256();
           for (int64_t u = h * 8 / parts; u < (h + 1) * 8 / parts; ++u) {
             int32_t quad;
             std::memcpy(&quad, q + 4 * u, 4);
-            s = dot4_avx2(s, unpack_half(w, block, u, half), _mm256_set1_epi32(quad), w.four);
+            s = dot4_avx2(s, v[u], _mm256_set1_epi32(quad), w.four);
           }
           const int32_t offset = w.halves ? a.offset16[2 * x + h] : a.offset[x];
           if (!w.four && kAvx2Offsets) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset));
           const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[x]));
-          const __m256 d = load8(w.scales, w.at(t, parts * g + h) + half * 8, w.f32);
-          acc = _mm256_fmadd_ps(scaled, d, acc);
+          acc[r] = _mm256_fmadd_ps(scaled, load8(w.scales, w.at(t, parts * g + h) + half * 8, w.f32), acc[r]);
         }
-        if (w.four) {
-          const __m256 mn = load8(w.mins, w.at(t, g) + half * 8, w.f32);
-          acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[x]), acc);
-        }
+        if (w.four) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[x]), acc[r]);
       }
-      _mm256_storeu_ps(out + (r - r0) * kTile + half * 8, acc);
     }
+    for (int64_t r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * kTile + half * 8, acc[r]);
+  }
+}
+
+// Rows in even passes of at most 4 (the registers' bound).
+void avx2_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
+  const int64_t passes = (rows + 3) / 4;
+  for (int64_t p = 0, done = 0; p < passes; ++p) {
+    const int64_t n = (rows - done) / (passes - p);
+    float* o = out + done * kTile;
+    switch (n) {
+      case 1: avx2_rows<1>(a, w, t, r0 + done, o); break;
+      case 2: avx2_rows<2>(a, w, t, r0 + done, o); break;
+      case 3: avx2_rows<3>(a, w, t, r0 + done, o); break;
+      default: avx2_rows<4>(a, w, t, r0 + done, o); break;
+    }
+    done += n;
+  }
 }
 
 #endif
