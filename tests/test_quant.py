@@ -414,3 +414,39 @@ def test_projections_built_once_are_loaded_from_their_kept_file_and_built_again_
     with caplog.at_level("WARNING", logger="specstream.kernels.kept_weights"):
         assert torch.equal(logits(Engine(config, log=False)), want)
     assert "cannot be read" in caplog.text and KeptWeights(path, torch.device("cpu")).found  # written again
+
+
+def test_a_gguf_file_with_q4_k_tensors_is_served_by_the_block_kernel_and_speculation_stays_lossless(tmp_path):
+    """The path a user's Q4_K_M file takes: the bundled GGUF copied with its 30 ffn_down tensors (1536 inputs, whole
+    super-blocks) stored as Q4_K, loaded by its path. Those projections are served by q4_linear with float32
+    scales, holding the file's weights (gguf's own dequantization), and greedy speculation gives plain decoding's
+    tokens (fp32, eager)."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from k_quants import copy_with_q4_k
+    from specstream.model.loader import BUNDLED_MODELS, bundled_gguf_path
+
+    path = tmp_path / "smollm2-q4_k.gguf"
+    converted = copy_with_q4_k(bundled_gguf_path(BUNDLED_MODELS["smollm2-135m"]), path, lambda name, shape: ".ffn_down." in name)
+    assert len(converted) == 30
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", compile=False,
+                                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6, adaptive=False)), log=False)
+    downs = [layer[5] for layer in engine.runner.fast.layers]
+    assert all(d.packed.kernel[0] == "q4" and d.packed.scales.dtype == torch.float32 for d in downs)
+    assert all(layer[1].packed.scales.dtype == torch.float16 for layer in engine.runner.fast.layers)  # Q4_1 as before
+    stored = next(t for t in GGUFReader(path).tensors if t.name == "blk.3.ffn_down.weight")
+    assert stored.tensor_type == GGMLQuantizationType.Q4_K
+    file_weights = torch.from_numpy(dequantize(stored.data, stored.tensor_type).reshape(576, 1536))
+    assert torch.equal(downs[3].packed(torch.eye(1536)).t(), file_weights)
+    prompts = [
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, twice."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+    ]
+    plain = SamplingParams(max_tokens=12, temperature=0, num_speculative_tokens=0)
+    want = [engine.generate(p, plain)[0].token_ids for p in prompts]
+    got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.token_ids for o in got] == want
+    assert sum(o.stats.accepted for o in got) > 0
