@@ -33,6 +33,18 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def write_tensor(path: Path, name: str, raw: np.ndarray, kind) -> None:
+    """A GGUF file holding one tensor, its bytes as given (raw: [rows, bytes a row]) of GGML type `kind`."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def copy_with_q4_k(source: Path, target: Path, convert) -> list[str]:
     """Copy the GGUF file `source` to `target` with every tensor for which convert(name, shape) is true stored as
     Q4_K (from its dequantized values); the names converted."""

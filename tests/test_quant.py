@@ -90,16 +90,13 @@ def test_q4_k_super_blocks_are_read_as_the_files_weights(tmp_path):
     """A Q4_K super-block (256 inputs: float16 d and dmin, 6-bit scale and minimum per 32) in a GGUF file becomes
     affine blocks of 32 with float32 scales: the weights are ggml's dequantization of the file, bit for bit, and
     the scales are ones float16 cannot hold (so the kernels take them in float32)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from k_quants import write_tensor
+
     raw = random_q4_k(48, 512)
-    writer = GGUFWriter(str(tmp_path / "q4_k.gguf"), "llama")
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=GGMLQuantizationType.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensor(tmp_path / "q4_k.gguf", "blk.0.ffn_down.weight", raw, GGMLQuantizationType.Q4_K)
     weights = read_gguf_blocks(tmp_path / "q4_k.gguf", ["blk.0.ffn_down.weight"])["blk.0.ffn_down.weight"]
     assert weights.codes.shape == (48, 512) and weights.scales.shape == weights.mins.shape == (48, 16)
     assert np.array_equal(weights.dequantize().numpy(), dequantize(raw, GGMLQuantizationType.Q4_K))
@@ -117,9 +114,11 @@ def test_4bit_blocks_float16_cannot_hold_keep_float32_scales_in_specstreams_kern
     assert packed.scales.dtype == packed.mins.dtype == torch.float32
     assert packed.nbytes == 64 * 512 // 2 + 2 * 4 * 64 * (512 // 32)
     assert torch.equal(packed(torch.eye(512)).t(), weights.dequantize())
+    gen = torch.Generator().manual_seed(2)
     for rows in (1, 4, 9, 13):
-        x = torch.randn(rows, 512)
-        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
+        x = torch.randn(rows, 512, generator=gen)
+        # float32 sums in another order than the matmul's, outputs up to ~60 here: 1e-5 relative is not enough alone
+        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-4)
         xb = x.bfloat16()
         torch.testing.assert_close(packed(xb), (xb.float() @ weights.dequantize().t()).bfloat16(), rtol=1e-2, atol=1e-2)
     factory = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})
@@ -143,16 +142,13 @@ def test_q6_k_super_blocks_are_read_as_8bit_codes_with_a_scale_per_16_and_served
     """Q6_K (most Q4_K_M files' LM head, and some of their attn_v and ffn_down): 6-bit codes less 32 as int8, a
     float32 scale d * sc_j per 16 inputs; the weights are ggml's dequantization of the file bit for bit, and
     q8_linear multiplies by them (identity rows read them back) at every row count, under auto."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from k_quants import write_tensor
+
     raw = random_q6_k(64, 512)
-    writer = GGUFWriter(str(tmp_path / "q6_k.gguf"), "llama")
-    writer.add_tensor("output.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensor(tmp_path / "q6_k.gguf", "output.weight", raw, GGMLQuantizationType.Q6_K)
     weights = read_gguf_blocks(tmp_path / "q6_k.gguf", ["output.weight"])["output.weight"]
     assert isinstance(weights, Int8Blocks) and weights.group == 16 and weights.scales.shape == (64, 32)
     assert np.array_equal(weights.dequantize().numpy(), dequantize(raw, GGMLQuantizationType.Q6_K))
@@ -162,9 +158,11 @@ def test_q6_k_super_blocks_are_read_as_8bit_codes_with_a_scale_per_16_and_served
     packed = quant.PackedInt8Blocks(weights, torch.device("cpu"))
     assert packed.scales.shape == (4, 32, 16)
     assert torch.equal(packed(torch.eye(512)).t(), weights.dequantize())
+    gen = torch.Generator().manual_seed(3)
     for rows in (1, 3, 4, 5, 9, 13):  # float32 chains, one sum a row, bfloat16 pairs, two passes
-        x = torch.randn(rows, 512)
-        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-5)
+        x = torch.randn(rows, 512, generator=gen)
+        # float32 sums in another order than the matmul's, outputs up to ~60 here: 1e-5 relative is not enough alone
+        torch.testing.assert_close(packed(x), x @ weights.dequantize().t(), rtol=1e-5, atol=1e-4)
         xb = x.bfloat16()
         torch.testing.assert_close(packed(xb), (xb.float() @ weights.dequantize().t()).bfloat16(), rtol=1e-2, atol=1e-2)
     lin = LinearFactory("auto", torch.float32, torch.device("cpu"), {"w": weights})(["w"], torch.zeros(64, 512))
