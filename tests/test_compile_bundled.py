@@ -142,6 +142,7 @@ def test_a8_rows_are_bit_identical_in_any_step_in_bf16(compile):
     e = Engine(config, log=False)
     fast = e.runner.fast
     assert {lin.packed.kernel[0] for lin in (fast.lm_head, *[layer[5] for layer in fast.layers])} == {"a8"}
+    assert fast.stream_dtype == torch.float32 and e.pool.keys[0].dtype == torch.bfloat16  # a8's wide residual stream
     if compile:
         assert e.runner.fast.compiled_rows >= 16, e.forward_description
     alone = _logits_of(e, [1] * 20)

@@ -47,7 +47,7 @@ def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     "int8" (codes and per-channel scales)."""
     kind, a, b, *planes = kernel
     if kind == "dense":
-        return F.linear(x, a)
+        return F.linear(x.to(a.dtype), a)  # (a residual stream wider than the weights: FastLlama's stream_dtype)
     if kind == "q8":
         return torch.ops.specstream.q8_linear(x, a, b)
     if kind == "q4":

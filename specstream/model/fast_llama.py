@@ -55,6 +55,11 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+def _widened(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A norm's weight in the residual stream's dtype (a copy where it widens; else the parameter itself)."""
+    return weight.detach().to(dtype) if dtype is not None else weight.detach()
+
+
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer.
 COMPILED_MAX_RUN = 16
@@ -95,6 +100,9 @@ class LayerMath:
     # Norms run specstream's rms_norm kernel (one summation order, eager and compiled alike) rather than
     # torch's ops, whose eager and generated reductions order a row's sum differently.
     norm_kernel: bool = False
+    # Where the residual stream is wider than the weights (float32 under bf16: FastLlama's stream_dtype), the
+    # dtype q, k and v are cast to for attention and the KV cache; None: the stream's own.
+    kv_dtype: torch.dtype | None = None
 
     @property
     def q_size(self) -> int:
@@ -125,7 +133,10 @@ class LayerMath:
         q, k, v = proj(w_qkv, self.rms(x, w_in)).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = self.rotate(q.view(n, self.heads, self.head_dim), cos, sin)
         k = self.rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if self.kv_dtype is not None:
+            q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
+        return q, k, v
 
     def block_out(self, layer, x: torch.Tensor, attn: torch.Tensor, proj=_call) -> torch.Tensor:
         """The rest of a decoder layer, row by row: output projection, residual, MLP, residual."""
@@ -156,14 +167,25 @@ class LayerMath:
 
 
 class FastLlama:
+    """stream_dtype: the residual stream's dtype where it should be wider than the weights' (float32 under
+    bf16 weights: what `a8` runs, see EngineBuilder.stream_dtype); the norms then run in it and feed the projections
+    unrounded, and q, k, v are rounded to the weights' dtype for attention and the KV cache. None: the
+    weights' dtype throughout."""
+
     def __init__(
-        self, model, linear: Callable[[list[str], torch.Tensor], Projection] = dense_linear, tile: int = 0
+        self,
+        model,
+        linear: Callable[[list[str], torch.Tensor], Projection] = dense_linear,
+        tile: int = 0,
+        stream_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         self.tile = tile  # 0: each op over the whole step; n: row-wise ops in fixed tiles of n rows
         base = model.model
         self.embed = base.embed_tokens.weight
-        self.norm = base.norm.weight
+        self.stream_dtype = stream_dtype if stream_dtype not in (None, self.embed.dtype) else None
+        wide = self.stream_dtype
+        self.norm = _widened(base.norm.weight, wide)
         self.lm_head = linear(["lm_head.weight"], model.lm_head.weight.data)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kernels = self.embed.device.type == "cpu" and cpu_kernels.load()
@@ -177,6 +199,7 @@ class FastLlama:
             # not in invariant mode, whose attention runs in fixed tiles of torch's ops (runner.py)
             attention_kernel=kernels and not tile and cpu_kernels.fits_head(head_dim),
             norm_kernel=kernels,
+            kv_dtype=self.embed.dtype if wide else None,
         )
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
@@ -187,10 +210,10 @@ class FastLlama:
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
             self.layers.append(
                 (
-                    layer.input_layernorm.weight.detach(),
+                    _widened(layer.input_layernorm.weight, wide),
                     linear([name(f"self_attn.{p}_proj") for p in "qkv"], _fuse(qkv)),
                     linear([name("self_attn.o_proj")], attn.o_proj.weight.data),
-                    layer.post_attention_layernorm.weight.detach(),
+                    _widened(layer.post_attention_layernorm.weight, wide),
                     linear([name("mlp.gate_proj"), name("mlp.up_proj")], _fuse(gate_up)),
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
@@ -269,6 +292,8 @@ class FastLlama:
         aux_layers, returns (logits, aux): aux [T, len(aux_layers) * hidden] holds the residual
         stream entering each of those layers (what a draft head reads), from the same pass."""
         x = F.embedding(input_ids, self.embed)
+        if self.stream_dtype is not None:
+            x = x.to(self.stream_dtype)
         cos, sin = self._rope(positions, x.dtype)
         t = input_ids.shape[0]
         aux = {}
@@ -297,4 +322,4 @@ class FastLlama:
         logits = self._rows(self._logits, x[keep])
         if not aux_layers:
             return logits
-        return logits, torch.cat([aux[i] for i in aux_layers], dim=-1)
+        return logits, torch.cat([aux[i] for i in aux_layers], dim=-1).to(self.embed.dtype)  # a head's dtype

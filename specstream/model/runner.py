@@ -100,7 +100,15 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, fast: bool = True, linear=dense_linear, tile: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        pool: KVPool,
+        fast: bool = True,
+        linear=dense_linear,
+        tile: int = 0,
+        stream_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -108,7 +116,8 @@ class ModelRunner:
         check_architecture(model)
         # Llama-architecture models take the lean forward (with its projections made by `linear`, see
         # kernels/quant.py); others run transformers' modules.
-        self.fast = FastLlama(model, linear, tile) if fast and fast_llama.supports(model) else None
+        # stream_dtype: a residual stream wider than the weights (FastLlama), for the lean forward only.
+        self.fast = FastLlama(model, linear, tile, stream_dtype) if fast and fast_llama.supports(model) else None
         if self.fast is None:
             if tile:
                 raise ModelError(
