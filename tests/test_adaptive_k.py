@@ -91,6 +91,44 @@ def test_each_sequence_let_draft_is_charged_its_proposers_lookup_time():
     assert 0 < ngram.lookup_cost() < 0.01
 
 
+def test_a_proposers_hint_grants_a_long_copy_its_length_and_no_more():
+    """A sequence whose record says 0.3 drafts a token or two; where its proposer holds a draft it expects
+    accepted at 0.85 (auto: a long n-gram match), the k policy grants it that draft's length, not past it;
+    a hint below the record changes nothing; a hint is not asked where the cap is 0."""
+    from specstream.spec_decode.auto import LONG_MATCH, AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    cost = CostModel([1, 2, 9, 17], [0.010, 0.0105, 0.013, 0.020])
+    record = dict(accepted=3.0, rejected=7.0)
+    plain = KPolicy(16, True, cost, lambda n: 0.0).choose(seqs(1, **record), 1, 32)[0]
+    assert plain <= 2
+    asked = []
+    hinted = KPolicy(16, True, cost, lambda n: 0.0, draft_hint=lambda s: asked.append(s) or (0.85, 6))
+    assert hinted.choose(seqs(1, **record), 1, 32) == [6]
+    low = KPolicy(16, True, cost, lambda n: 0.0, draft_hint=lambda s: (0.1, 6))
+    assert low.choose(seqs(1, **record), 1, 32)[0] == plain
+    capped = seqs(1, **record)[0]
+    capped.params = SamplingParams(num_speculative_tokens=0)
+    asked.clear()
+    assert hinted.choose([capped], 1, 32) == [0] and not asked
+
+    # auto's hint: a greedy request's match of LONG_MATCH tokens or more, at what such matches were accepted
+    # lately, up to the match's length; the step's propose drafts the same match. None for a sampled request.
+    auto = AutoProposer(None, NgramProposer(1, 4), k_max=16)
+    text = list(range(100, 130))
+    greedy = SamplingParams(temperature=0.0)
+    copying = Sequence("c", text + [7] + text[:LONG_MATCH], greedy, 0)
+    a, length = auto.draft_hint(copying)
+    assert length == 16 and a >= 0.5
+    short = Sequence("s", text + [7] + [999, text[0]], greedy, 0)  # a one-token match
+    assert auto.draft_hint(short) is None
+    assert auto.draft_hint(Sequence("t", copying.token_ids, SamplingParams(temperature=0.7), 0)) is None
+    auto.shared.record("ngram3", sampling_bucket(copying.params), 1.0, 30.0)  # matches of 3 were lately rejected: the hint says so
+    assert auto.draft_hint(copying)[0] < 0.2
+    (draft,) = auto.propose([copying], [5])
+    assert draft.tokens == text[LONG_MATCH : LONG_MATCH + 5] and draft.method == "ngram"
+
+
 def test_free_verification_and_good_acceptance_drafts_long():
     policy = KPolicy(8, True, CostModel([1, 64], [0.05, 0.0501]), lambda n: 0.0)
     assert policy.choose(seqs(1, accepted=20.0), base_tokens=1, budget=100) == [8]

@@ -122,7 +122,7 @@ class EngineBuilder:
         # A server measures a contradicted curve once idle (Engine.idle), not before it serves.
         target_cost, kept = pricing.price(forward, later=config.compile_in_background)
         k_max = spec.num_speculative_tokens if spec.enabled else 0
-        policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost, proposer.lookup_cost)
+        policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost, proposer.lookup_cost, proposer.draft_hint)
         processor = InputProcessor(
             tokenizer=tokenizer,
             output_tokenizer=tokenizer,

@@ -210,14 +210,18 @@ class KPolicy:
         target_cost: CostModel | None,
         draft_pass_cost: Callable[[int], float],
         lookup_cost: Callable[[], float] = lambda: 0.0,
+        draft_hint: Callable[[Drafting], tuple[float, int] | None] = lambda seq: None,
     ) -> None:
         """draft_pass_cost(n): a drafter's pass over n sequences; lookup_cost(): what each sequence let draft
-        costs the proposer besides (Proposer.lookup_cost)."""
+        costs the proposer besides (Proposer.lookup_cost); draft_hint(seq): the proposer's own knowledge of
+        the draft it has for seq now (Proposer.draft_hint): where its acceptance is above the sequence's
+        record, seq's drafts are granted at that acceptance, up to the draft's length."""
         self.k_max = k_max
         self.adaptive = adaptive and target_cost is not None
         self.target_cost = target_cost
         self.draft_pass_cost = draft_pass_cost
         self.lookup_cost = lookup_cost
+        self.draft_hint = draft_hint
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
 
     def estimate(self, seq: Drafting) -> float:
@@ -244,6 +248,10 @@ class KPolicy:
                 left -= ks[-1]
             return ks
         alphas = [self.estimate(s) for s in seqs]
+        for i, seq in enumerate(seqs):
+            hint = self.draft_hint(seq) if caps[i] > 0 else None
+            if hint is not None and hint[0] > alphas[i]:
+                alphas[i], caps[i] = hint[0], min(caps[i], hint[1])
         lookup = self.lookup_cost()
         ks = [0] * len(seqs)
         step = StepYield(float(len(seqs)), self.target_cost(base_tokens))

@@ -150,6 +150,12 @@ class Proposer:
         """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
         return 0.0
 
+    def draft_hint(self, seq: Sequence) -> tuple[float, int] | None:
+        """Before the k policy grants seq its k: (the acceptance of the draft this proposer has for seq now,
+        how many tokens that draft holds), where it knows better than the sequence's own record (auto: a long
+        n-gram match, usually a copy); None: no better knowledge, the record decides."""
+        return None
+
     def lookup_cost(self) -> float:
         """Seconds a sequence let draft costs the proposer each round before any pass (its lookups), as
         measured: the k policy charges it to each sequence it lets draft. (Called free, a lookup took a
@@ -157,11 +163,12 @@ class Proposer:
         return self.lookup_seconds
 
     @contextmanager
-    def timing_lookups(self, ks: list[int]) -> Iterator[None]:
-        """Time the block as this round's lookups for the sequences of ks that may draft (note_lookups)."""
+    def timing_lookups(self, ks: list[int], before: float = 0.0) -> Iterator[None]:
+        """Time the block as this round's lookups for the sequences of ks that may draft (note_lookups), with
+        `before` seconds of this round's lookups done earlier (draft_hint's)."""
         started = time.perf_counter()
         yield
-        self.note_lookups(time.perf_counter() - started, sum(k > 0 for k in ks))
+        self.note_lookups(time.perf_counter() - started + before, sum(k > 0 for k in ks))
 
     def note_lookups(self, seconds: float, num_seqs: int) -> None:
         """num_seqs sequences' lookups took `seconds` this round. A round counts for at most 3x the estimate
