@@ -195,8 +195,13 @@ class AutoProposer(Proposer):
         self._hint_seconds += time.perf_counter() - started
         if n < LONG_MATCH or len(tokens) < 2:
             return None
-        prior = NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG)
-        return self.shared.prior(f"ngram{min(n, 4)}", sampling_bucket(seq.params), prior), len(tokens)
+        return self._ngram_prior(n, sampling_bucket(seq.params))[1], len(tokens)
+
+    def _ngram_prior(self, n: int, bucket: str) -> tuple[str, float]:
+        """The shared record's kind for an n-gram match of n tokens, and what such matches were accepted lately
+        in bucket, pulled toward the fixed prior for n."""
+        kind = f"ngram{min(n, 4)}"
+        return kind, self.shared.prior(kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
 
     def _match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """seq's n-gram match, up to k tokens: draft_hint's of this step where it ran."""
@@ -246,8 +251,7 @@ class AutoProposer(Proposer):
                 bucket = sampling_bucket(seq.params)
                 tokens, n = self._match(seq, k)
                 plain = price.rate()
-                ngram_kind = f"ngram{min(n, 4)}"
-                ngram_prior = self.shared.prior(ngram_kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
+                ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
                 ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
