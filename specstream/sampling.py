@@ -260,6 +260,9 @@ def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) ->
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in row_params], device=logits.device)
 
+    if not any(p.top_k > 0 or p.top_p < 1 for p in row_params):
+        # probabilities() without a filter, the same ops: its checks of the filters read two tensors back
+        return (logits / column("temperature")[:, None]).softmax(-1)
     return probabilities(logits, column("temperature"), column("top_k"), column("top_p"))
 
 

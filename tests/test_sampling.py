@@ -118,3 +118,16 @@ def test_top_p_of_one_keeps_every_token_even_beside_a_top_p_row():
     logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3
     probs = probabilities(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.9]))
     assert (probs[0] > 0).all() and (probs[1] == 0).any()
+
+
+def test_rows_without_a_filter_get_the_same_probabilities_by_the_short_path():
+    """probabilities_for skips the filters' checks where no row has top-k or top-p: the same bits as the
+    full function; a batch with one filtered row takes the full path for every row."""
+    from specstream.sampling import probabilities_for
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    plain = [SamplingParams(temperature=t) for t in (0.7, 1.0, 1.3)]
+    full = probabilities(logits, torch.tensor([0.7, 1.0, 1.3]), torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]))
+    assert torch.equal(probabilities_for(logits, plain), full)
+    mixed = probabilities_for(logits, plain[:2] + [SamplingParams(temperature=1.3, top_k=5)])
+    assert torch.equal(mixed[:2], full[:2]) and int((mixed[2] > 0).sum()) == 5

@@ -33,6 +33,26 @@ def test_greedy_accepts_matching_prefix_plus_target_token():
     assert nxt.tolist() == [7, 8, 1]  # correction, bonus, plain next token
 
 
+def test_a_steps_rounds_of_any_k_match_as_the_batched_tensor_rule_does():
+    """verify_round matches each round's drafts in Python over one read-back of the target's tokens; on rounds of
+    k 0 to 5 (plain decoding's included) it agrees with accept_by_match over the padded batch."""
+    from specstream.spec_decode.proposer import Draft
+    from specstream.spec_decode.verify import Round, _match
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        ks = torch.randint(0, 6, (6,), generator=g).tolist()
+        choices = [torch.randint(0, 3, (k + 1,), generator=g) for k in ks]
+        rounds = [Round(None, Draft(torch.randint(0, 3, (k,), generator=g).tolist()), None) for k in ks]
+        k = max(ks)
+        targets = torch.stack([torch.nn.functional.pad(c, (0, k + 1 - len(c))) for c in choices])
+        drafts = torch.zeros((len(ks), k), dtype=torch.long)
+        for j, r in enumerate(rounds):
+            drafts[j, : r.k] = torch.tensor(r.draft.tokens, dtype=torch.long)
+        expected = accept_by_match(targets, drafts, torch.tensor(ks))
+        assert _match(rounds, choices) == (expected[0].tolist(), expected[1].tolist())
+
+
 def test_inverse_cdf_sampling_matches_distribution_and_skips_zero_mass():
     g = torch.Generator().manual_seed(1)
     probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3])
