@@ -43,8 +43,9 @@ CONTEXT = 64
 # How the curve is timed, in its kept file's key: a curve kept by an earlier way of timing is timed again
 # ("sweeps": each repeat sweeps every size, CostModel.measure. Four curves kept on one machine by timing one
 # size's repeats back to back priced a second row at 1.13-1.31x a one-token step, where sweeps found
-# 1.04-1.11x and the two steps timed alternately 15 times 1.03-1.14x.)
-TIMING = "sweeps"
+# 1.04-1.11x and the two steps timed alternately 15 times 1.03-1.14x. "every row's logits": steps are timed
+# as verifications, time_steps.)
+TIMING = "sweeps, every row's logits"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # A curve that prices a step of two tokens above SUSPECT_RATIO times a one-token step is suspect: a busy
 # spell while it was timed may have priced its small sizes high, and then no draft pays (a fresh sequence's
@@ -226,7 +227,11 @@ def compiled_rows(runner: ModelRunner) -> int:
 
 def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:
     """One sequence's steps of each size over `context` cached tokens, timed; None where the pool cannot
-    hold them."""
+    hold them. Each step keeps every row's logits, as a verification does: a draft's price is what its row
+    adds, through the layers and the LM head. (Timed with one row's logits, as a prefill chunk keeps, the
+    bundled model's 2 and 16 rows were priced at 1.04x and 2.5x a one-row step where verifying them cost
+    1.14x and 3.4x; a model whose LM head outweighs its layers, as Gemma 3's 262k-token vocabulary does,
+    had its draft rows priced at a fraction of their cost.)"""
     if context < 0:
         return None
     with throwaway_tables(runner.pool, 1, context + max(sizes)) as tables:
@@ -235,7 +240,7 @@ def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int
         table = tables[0]
         if context:
             runner.forward([ForwardItem(table, 0, [0] * context, 1)])
-        return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, 1)]), sizes, repeats)
+        return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, n)]), sizes, repeats)
 
 
 def refine_small_sizes(runner: ModelRunner, max_batched_tokens: int, cost: CostModel) -> bool:

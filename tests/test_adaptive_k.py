@@ -41,6 +41,20 @@ def test_a_busy_spell_while_timing_does_not_price_one_step_size_high(monkeypatch
     assert cost.seconds == pytest.approx([0.011, 0.012, 0.014])
 
 
+def test_steps_are_timed_as_verifications_with_every_rows_logits(tiny_model_dir):
+    """A draft's row costs its pass through the layers and through the LM head: the curve's steps keep every
+    row's logits, as a verification does (timed with one row's logits, as a prefill chunk keeps, 16 rows of
+    the bundled model were priced at 2.5x a one-row step where verifying them cost 3.4x)."""
+    from specstream import Engine, EngineConfig, calibration
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32"), log=False)
+    forward, fed = engine.runner.forward, []
+    engine.runner.forward = lambda items, *a: fed.extend((len(i.tokens), i.num_logits) for i in items) or forward(items, *a)
+    assert calibration.time_steps(engine.runner, [1, 2, 8], 16, repeats=1) is not None
+    assert fed[0] == (16, 1)  # the context, a prefill
+    assert fed[1:] == [(1, 1), (1, 1), (2, 2), (8, 8)]  # a warm-up, then each size with all its logits
+
+
 def test_a_suspect_curve_keeps_each_sizes_faster_time():
     cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.016, 0.017, 0.020, 0.030])
     assert cost.suspect()  # two tokens at 1.6x one: a fresh sequence's first draft never pays
