@@ -228,10 +228,8 @@ def compiled_rows(runner: ModelRunner) -> int:
 def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:
     """One sequence's steps of each size over `context` cached tokens, timed; None where the pool cannot
     hold them. Each step keeps every row's logits, as a verification does: a draft's price is what its row
-    adds, through the layers and the LM head. (Timed with one row's logits, as a prefill chunk keeps, the
-    bundled model's 2 and 16 rows were priced at 1.04x and 2.5x a one-row step where verifying them cost
-    1.14x and 3.4x; a model whose LM head outweighs its layers, as Gemma 3's 262k-token vocabulary does,
-    had its draft rows priced at a fraction of their cost.)"""
+    adds, through the layers and the LM head (timed with one row's logits, as a prefill chunk keeps, a draft
+    row was priced without its LM-head pass; the README has the figures)."""
     if context < 0:
         return None
     with throwaway_tables(runner.pool, 1, context + max(sizes)) as tables:

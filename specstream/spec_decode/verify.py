@@ -288,8 +288,8 @@ def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torc
 
 def _match(rounds: list[Round], choices: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     """accept_by_match over rounds of different k: choices[j] is round j's target token per row. The choices
-    are read back at once and matched in Python: a step's rounds hold a few dozen rows, and padding them into
-    tensors cost a quarter of a millisecond a step (4% of a decode step), plain decoding's steps included."""
+    are read back at once and matched in Python: a step's rounds hold a few dozen rows, fewer than padding
+    them into tensors is worth, on every step, plain decoding's included."""
     flat, at = torch.cat(choices).tolist(), 0
     accepted, following = [], []
     for r, c in zip(rounds, choices):
