@@ -1,0 +1,54 @@
+"""What a verification step costs against the forward-time curve's timing of it: steps of n rows over the
+curve's context, keeping one row's logits (as a prefill chunk does, and as the curve was timed before) and
+keeping every row's (as a verification does, and as the curve is timed now), alternated in one process, on
+the default engine (`specstream serve`'s: compiled forward, default kernels). Prints ms and each time over a
+one-row step's.
+
+    .venv/bin/python benchmarks/verify_cost.py
+    .venv/bin/python benchmarks/verify_cost.py --rows 1 2 4 8 16 32 --repeats 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_forward import cpu_name  # noqa: E402
+
+from specstream import Engine, EngineConfig, SpeculativeConfig  # noqa: E402
+from specstream.calibration import CONTEXT, throwaway_tables  # noqa: E402
+from specstream.model.runner import ForwardItem  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    engine = Engine(EngineConfig(speculative=SpeculativeConfig(method="off")), log=False)
+    engine.upgrade(wait=True)
+    runner, times = engine.runner, {}
+    with throwaway_tables(runner.pool, 1, CONTEXT + max(args.rows)) as tables:
+        table = tables[0]
+        runner.forward([ForwardItem(table, 0, [5] * CONTEXT, 1)])
+        for _ in range(args.repeats):
+            for n in args.rows:
+                for keep in (1, n):
+                    start = time.perf_counter()
+                    runner.forward([ForwardItem(table, CONTEXT, [7] * n, keep)])
+                    times.setdefault((n, keep), []).append(time.perf_counter() - start)
+    one = statistics.median(times[args.rows[0], args.rows[0]])
+    print(f"| rows | one row's logits, ms (x a {args.rows[0]}-row step) | every row's logits, ms (x) |")
+    print("|---|---|---|")
+    for n in args.rows:
+        a, b = statistics.median(times[n, 1]), statistics.median(times[n, n])
+        print(f"| {n} | {a * 1e3:.2f} ({a / one:.2f}x) | {b * 1e3:.2f} ({b / one:.2f}x) |")
+    print(f"\n{CONTEXT} tokens of context, {args.repeats} alternations; {engine.forward_description}\nCPU: {cpu_name()}")
+
+
+if __name__ == "__main__":
+    main()
