@@ -183,10 +183,9 @@ class AutoProposer(Proposer):
     def draft_hint(self, seq: Sequence) -> tuple[float, int] | None:
         """A long n-gram match (LONG_MATCH tokens or more) is usually a copy of the prompt or of earlier
         output: its acceptance is what such matches were accepted lately across sequences (by match length
-        and sampling bucket), not the sequence's own record, which mixes every method's rounds and kept k at
-        2-3 where the match went on accepted (agent trace, greedy: matches of 4+ tokens accepted 2.1 tokens a
-        round at the k granted and 3.6 of 8 drafted). Greedy requests only: at T=0.7 the longer drafts measured
-        1.17x `off` against 1.21x without (README). The match is kept for this step's propose."""
+        and sampling bucket), not the sequence's own record, which mixes every method's rounds and so grants
+        a long match fewer drafts than it goes on being accepted for. Greedy requests only: sampled requests'
+        longer drafts measured slower (README). The match is kept for this step's propose."""
         if not seq.params.greedy:
             return None
         started = time.perf_counter()
