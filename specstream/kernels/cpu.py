@@ -45,8 +45,8 @@ _lib.define(
     "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "
     "Tensor out_index, float scaling) -> Tensor"
 )
-_lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-_lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor")
+_lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales, int path=-1) -> Tensor")
+_lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
 _lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
 _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -58,12 +58,12 @@ def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_ind
 
 
 @torch.library.register_fake("specstream::q8_linear")
-def _q8_linear_shape(x, codes, scales):
+def _q8_linear_shape(x, codes, scales, path=-1):
     return x.new_empty((x.shape[0], codes.shape[0] * 16))  # codes: [N / 16, K / 2, 32]
 
 
 @torch.library.register_fake("specstream::q4_linear")
-def _q4_linear_shape(x, codes, scales, mins):
+def _q4_linear_shape(x, codes, scales, mins, path=-1):
     return x.new_empty((x.shape[0], codes.shape[0] * codes.shape[2]))  # codes: [N / 16, K / 2, 16]
 
 
@@ -158,27 +158,30 @@ def _command(source: list[Path]) -> list[str]:
     ]
 
 
-# a8_linear's instruction sets: the CPU's flag (/proc/cpuinfo), and the compiler's flags that enable it.
+# The dot-product instruction sets of a8_linear's paths and q4_linear's tiles (AMX-BF16, bfloat16 rows): the CPU's
+# flag (/proc/cpuinfo), and the compiler's flags that enable it.
 _INT8_DOT = (
     ("avx512_vnni", ["-mavx512vnni"], True),  # (flag, compiler flags, needs AVX-512)
     ("amx_int8", ["-mamx-tile", "-mamx-int8"], True),
     ("avx_vnni", ["-mavxvnni"], False),
+    ("amx_bf16", ["-mamx-tile", "-mamx-bf16"], True),
 )
 
 
 def int8_dot_flags(compiler: str, avx512: bool, cpu_flags: str | None = None) -> list[str]:
-    """The compiler flags for the integer dot-product instructions this CPU has (AVX512-VNNI, AMX-INT8,
-    AVX-VNNI), each only where the compiler takes it: a compiler too old for one builds a8_linear without
-    that path (it falls back to the next: AMX to AVX512-VNNI to AVX2), and says so once in the log."""
+    """The compiler flags for the dot-product instructions this CPU has (AVX512-VNNI, AMX-INT8, AVX-VNNI for
+    a8_linear; AMX-BF16 for q4_linear's bfloat16 rows), each only where the compiler takes it: a compiler too
+    old for one builds the kernels without that path (a8_linear falls back to the next: AMX to AVX512-VNNI to
+    AVX2; q4_linear to its vector path), and says so once in the log."""
     have = set((cpu_flags if cpu_flags is not None else _cpu_flags()).split())
     flags = []
     for flag, options, needs_avx512 in _INT8_DOT:
         if flag not in have or (needs_avx512 and not avx512):
             continue
         if _compiler_takes(compiler, options):
-            flags += options
+            flags += [o for o in options if o not in flags]
         else:
-            log.warning("the C++ compiler %s does not take %s: a8_linear's %s path is not built, a slower one serves",
+            log.warning("the C++ compiler %s does not take %s: the kernels' %s path is not built, a slower one serves",
                         compiler, " ".join(options), flag)
     return flags
 

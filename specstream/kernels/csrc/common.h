@@ -12,6 +12,10 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace specstream_kernels {
 
@@ -26,6 +30,37 @@ inline void store_tile(T* y, __m512 v) {
     _mm512_store_ps(tmp, v);
     for (int64_t i = 0; i < 16; ++i) y[i] = static_cast<T>(tmp[i]);
   }
+}
+#endif
+
+#if defined(__AMX_TILE__)
+// AMX's tile configuration (palette 1): rows and bytes per row of each of the 8 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use AMX tiles: Linux lends a process the tiles' register state only when asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a kernel that does not know the request (older than
+// 5.16) has no AMX for us.
+inline bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// The tiles of the bfloat16 kernels (q4_linear, q8_linear): 0, 1 C (rows x 16 float32 sums); 2, 3 A (rows x 32
+// bfloat16 values of x); 4, 5 B (a block's 16 pairs of 32 inputs x 16 outputs). Tile state is per thread, and other
+// libraries on these threads (oneDNN) configure it for themselves: configure before each pass, release after.
+inline void configure_bf16_tiles(int64_t rows) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2, 3}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // Not _tile_loadconfig: GCC 12's declares only the first 8 bytes as read, so the stores of the rest may be
+  // dropped or moved past it (the tiles then stay unconfigured: SIGILL at the first tile load).
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 #endif
 

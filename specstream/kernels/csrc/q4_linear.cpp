@@ -23,6 +23,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,14 @@ using specstream_kernels::Vec;
 constexpr int64_t kTile = 16;  // outputs per tile
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 12;  // rows of x per pass over a tile
+
+// The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 4 rows of bfloat16 x; scalar without AVX-512),
+// 1 AMX-BF16 tiles (bfloat16 x only).
+constexpr int64_t kVector = 0, kAmx = 1;
+// AMX pays from this many rows of bfloat16 x, fewer take the vector path (timed on a 2-core Xeon with AMX over the
+// bundled model's layer shapes: AMX 0.74-0.75x the vector path at 1 row, 0.85-0.97x at 2, 1.6-1.8x at 4, 1.9-2.2x at
+// 9, 2.3-2.7x at 16).
+constexpr int64_t kAmxMinRows = 4;
 
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -104,6 +113,19 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
 
 #if defined(__AVX512BF16__)
 
+// The 16 code pairs of one layout row (inputs 2j and 2j + 1 of a tile's 16 outputs) as bfloat16 pairs: word 2i the
+// low code of output i (input 2j), word 2i + 1 its high code (input 2j + 1). Exact: codes are 0..15.
+inline __m512bh code_pairs(const uint8_t* row) {
+  // bfloat16 bits of 0.0 .. 15.0, twice (vpermw indexes 32 words).
+  alignas(64) static const uint16_t kCodes[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)),
+                                        _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF0)), 12));
+  return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_load_si512(kCodes));
+}
+
 // bfloat16 x: each pair of codes (inputs 2j and 2j + 1 of one output, one byte of the layout) becomes a pair of
 // bfloat16 values (exact: codes are 0..15), and one VDPBF16PS multiplies it into a pair of x's inputs: 32
 // multiply-adds an instruction, twice float32's 16, with the products exact and the sums in float32. This is
@@ -111,26 +133,13 @@ inline void tile_rows(const float* x, const float* xsum, int64_t k, const uint8_
 template <int64_t ROWS, int64_t CHAINS, typename S>
 inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* codes, const S* scales,
                            const S* mins, __m512* out) {
-  // bfloat16 bits of 0.0 .. 15.0, twice (vpermw indexes 32 words).
-  alignas(64) static const uint16_t kCodes[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  const __m512i table = _mm512_load_si512(kCodes);
-  const __m512i low_mask = _mm512_set1_epi32(0x0F);
-  const __m512i high_mask = _mm512_set1_epi32(0xF0);
   over_blocks<ROWS, CHAINS>(k, scales, mins, xsum, out, [&](int64_t g, __m512 (&part)[ROWS][CHAINS]) {
     const uint8_t* cg = codes + g * (kBlock / 2) * kTile;
     const uint16_t* xg = x + g * kBlock;
     // One code pair vector per j, multiplied into every row. With several chains, j steps in groups of
     // CHAINS and the chain index is a constant of the unrolled inner loop: indexed by a variable, the sums
     // would live in memory rather than registers (measured: 2 rows ran 1.6x slower).
-    auto pairs = [&](int64_t j) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + j * kTile)));
-      // Word 2i: the low code of output i (input 2j); word 2i + 1: the high code (input 2j + 1).
-      const __m512i index =
-          _mm512_or_si512(_mm512_and_si512(bytes, low_mask), _mm512_slli_epi32(_mm512_and_si512(bytes, high_mask), 12));
-      return (__m512bh)_mm512_permutexvar_epi16(index, table);
-    };
+    auto pairs = [&](int64_t j) { return code_pairs(cg + j * kTile); };
     auto x_pair = [&](int64_t r, int64_t j) {
       int32_t pair;
       std::memcpy(&pair, xg + r * k + 2 * j, sizeof(pair));
@@ -155,6 +164,70 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
 
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+// AMX-BF16: per pair of blocks, TDPBF16PS multiplies up to 16 rows of bfloat16 x (A: rows x 32 values, read in place)
+// by the block's code pairs (B: the 16 code_pairs vectors, 1 KiB, the layout VDPBF16PS takes one row of) into 16 x 16
+// float32 sums (C), and d and m then apply as over_blocks applies them. One instruction does what 16 VDPBF16PS a row
+// do, so the rows of a verification cost little more than one; unpacking the codes is paid once per block, not per
+// row. Tiles: 0, 1 C; 2, 3 A; 4, 5 B (two blocks in flight; common.h's configure_bf16_tiles).
+#define SPECSTREAM_Q4_AMX 1
+
+using specstream_kernels::amx_ready;
+using specstream_kernels::configure_bf16_tiles;
+
+
+inline void b_tile(const uint8_t* cg, uint16_t* buf) {
+  for (int64_t j = 0; j < kBlock / 2; ++j) _mm512_store_si512(buf + j * 32, (__m512i)code_pairs(cg + j * kTile));
+}
+
+// rows <= 16 rows of x (bfloat16 bits, row stride k) against one tile; the caller configured the tiles for `rows`.
+template <typename S>
+void amx_tile(const uint16_t* x, const float* xsum, int64_t k, int64_t rows, const uint8_t* codes, const S* scales,
+              const S* mins, __m512* out) {
+  alignas(64) uint16_t b0[16 * 32], b1[16 * 32];
+  alignas(64) float c0[16 * 16], c1[16 * 16];
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_setzero_ps();
+  auto epilogue = [&](const float* c, int64_t g) {
+    const __m512 d = load16(scales + g * kTile);
+    const __m512 m = load16(mins + g * kTile);
+    for (int64_t r = 0; r < rows; ++r) {
+      out[r] = _mm512_fmadd_ps(d, _mm512_load_ps(c + r * 16), out[r]);
+      out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), out[r]);
+    }
+  };
+  const int64_t stride = k * sizeof(uint16_t);
+  int64_t g = 0;
+  for (; g + 1 < blocks; g += 2) {
+    b_tile(codes + g * (kBlock / 2) * kTile, b0);
+    b_tile(codes + (g + 1) * (kBlock / 2) * kTile, b1);
+    _tile_loadd(2, x + g * kBlock, stride);
+    _tile_loadd(4, b0, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_loadd(3, x + (g + 1) * kBlock, stride);
+    _tile_loadd(5, b1, 64);
+    _tile_zero(1);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+    epilogue(c0, g);
+    epilogue(c1, g + 1);
+  }
+  if (g < blocks) {
+    b_tile(codes + g * (kBlock / 2) * kTile, b0);
+    _tile_loadd(2, x + g * kBlock, stride);
+    _tile_loadd(4, b0, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, c0, 64);
+    epilogue(c0, g);
+  }
+}
+
+#endif
+
 // One pass of ROWS rows over a tile: with bfloat16 x where the CPU multiplies bfloat16 pairs (xb, its bits)
 // and there are 4 rows or more, else in float32 (x). At 1-3 rows the float32 path was as fast or up to 6%
 // faster (reading the codes bounds it); from 4 rows the pairs win, 1.2-1.7x at 9-16 rows.
@@ -172,7 +245,7 @@ inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t 
 
 template <typename T, typename S>
 void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scales, const S* mins, T* y,
-         int64_t m_rows, int64_t n_rows, int64_t k) {
+         int64_t m_rows, int64_t n_rows, int64_t k, int64_t path) {
   const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
   std::vector<float> xsums(m_rows * blocks);
   for (int64_t r = 0; r < m_rows; ++r)
@@ -182,6 +255,25 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
       xsums[r * blocks + g] = sum;
     }
   const float* xsum = xsums.data();
+#if defined(SPECSTREAM_Q4_AMX)
+  if (path == kAmx) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      __m512 out[16];
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m_rows - m0);
+        // Tile state is per thread, and other libraries on these threads (oneDNN) configure it for themselves.
+        configure_bf16_tiles(rows);
+        for (int64_t t = begin; t < end; ++t) {
+          amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
+                   mins + t * blocks * kTile, out);
+          for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
+        }
+        _tile_release();
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     __m512 out[kRows];
     for (int64_t t = begin; t < end; ++t) {
@@ -217,7 +309,7 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
 // Without AVX-512: the same arithmetic, one weight at a time.
 template <typename T, typename S>
 void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const S* scales, const S* mins, T* y,
-         int64_t m_rows, int64_t n_rows, int64_t k) {
+         int64_t m_rows, int64_t n_rows, int64_t k, int64_t /*path*/) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, n_rows, kTile, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -240,9 +332,19 @@ void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const S* 
 
 #endif
 
+std::vector<int64_t> q4_paths() {
+  std::vector<int64_t> out{kVector};
+#if defined(SPECSTREAM_Q4_AMX)
+  if (amx_ready()) out.push_back(kAmx);
+#endif
+  return out;
+}
+
 // x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 16] uint8, scales and mins [N / 16, K / 32, 16] fp16 (or
-// fp32, both); returns [M, N] in x's dtype.
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+// fp32, both); path -1 picks (AMX for kAmxMinRows rows or more of bfloat16 x where the CPU has it), 0 or 1 asks for
+// one (1: bfloat16 x on a CPU and build with AMX-BF16). Returns [M, N] in x's dtype.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t path) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3 && mins.dim() == 3, "q4_linear: 2-d x, 3-d weights");
   const bool f32 = scales.scalar_type() == at::kFloat;
   TORCH_CHECK(codes.scalar_type() == at::kByte && (f32 || scales.scalar_type() == at::kHalf) &&
@@ -263,11 +365,16 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // bfloat16 x is multiplied as it is (its bits, rows packed), float32 and float16 x as float32.
   at::Tensor packed = x.scalar_type() == at::kBFloat16 ? x.contiguous() : at::Tensor();
   const auto* xb = packed.defined() ? reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()) : nullptr;
+  static const std::vector<int64_t> paths = q4_paths();
+  const bool amx = std::find(paths.begin(), paths.end(), kAmx) != paths.end();
+  TORCH_CHECK(path >= -1 && path <= kAmx, "q4_linear: path -1, 0 or 1, not ", path);
+  TORCH_CHECK(path != kAmx || (amx && xb != nullptr), "q4_linear: the AMX path needs bfloat16 x and a CPU and build with AMX-BF16");
+  if (path < 0) path = amx && xb != nullptr && m >= kAmxMinRows ? kAmx : kVector;
   auto with_scales = [&](const auto* sp, const auto* mp) {
     switch (x.scalar_type()) {
-      case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k); break;
-      case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k); break;
-      case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k); break;
+      case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k, path); break;
+      case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k, path); break;
+      case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k, path); break;
       default: TORCH_CHECK(false, "q4_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
     }
   };
@@ -281,3 +388,5 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specstream, CPU, m) { m.impl("q4_linear", &q4_linear); }
+
+TORCH_LIBRARY_FRAGMENT(specstream, m) { m.def("q4_paths() -> int[]", &q4_paths); }
