@@ -10,6 +10,8 @@ torch uses (2 here), best of N interleaved runs, weights and keys random but lai
 - Q4_K (GGUF's super-blocks, most files users bring): the dense bf16 GEMM (how such weights were served before
   specstream read them) against q4_linear and a8_linear on the file's blocks, float32 scales, at a Llama 3.2 1B
   layer's shapes (Q4_K needs rows of whole 256-input super-blocks: the bundled model's 576 are not);
+- where the CPU has AMX-BF16: q4_linear's and q8_linear's vector path (float32, or VDPBF16PS pairs) against their AMX
+  tiles (TDPBF16PS), forced by path, at the same shapes;
 - short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
   with torch.compile as in the forward, over a paged pool.
 
@@ -61,6 +63,32 @@ def random_q4_k(n: int, k: int, gen: torch.Generator) -> Int4Weights:
     return q4_k_weights(raw.view(n, -1).numpy())
 
 
+def tile_paths(rows: list[int], repeats: int, gen: torch.Generator) -> None:
+    """q4_linear and q8_linear on their vector path and on AMX-BF16 tiles (path 0 / 1), where the CPU has them."""
+    if 1 not in torch.ops.specstream.q4_paths():
+        print("(no AMX-BF16 here: the weight-only kernels' tile path is not compared)\n")
+        return
+    cpu = torch.device("cpu")
+    print("| weight-only kernels, us (vector path / AMX tiles) | weight | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    shapes = [("q4_linear", n, k) for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]] + [("q8_linear", 49152, 576)]
+    for kernel, n, k in shapes:
+        if kernel == "q4_linear":
+            p = PackedQ4(random_int4(n, k, gen), cpu)
+            weights = (p.codes, p.scales, p.mins)
+        else:
+            p = PackedInt8Blocks(Int8Blocks(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, k // 32, generator=gen) * 0.01), cpu)
+            weights = (p.codes, p.scales)
+        op = getattr(torch.ops.specstream, kernel)
+        cells = []
+        for r in rows:
+            x = torch.randn(r, k, generator=gen).bfloat16()
+            v, a = best_of([partial(op, x, *weights, 0), partial(op, x, *weights, 1)], repeats if kernel == "q4_linear" else max(3, repeats // 5))
+            cells.append(f"{v:.0f} / {a:.0f} ({v / a:.2f}x)")
+        print(f"| {kernel} | {n}x{k} | " + " | ".join(cells) + " |")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
@@ -71,6 +99,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
     print(f"threads: {torch.get_num_threads()}, bf16, best of {args.repeats}; us per call (torch / specstream)\n")
+    tile_paths(args.rows, args.repeats, gen)
     print("| kernel | weight | " + " | ".join(f"{r} rows" for r in args.rows) + " |")
     print("|---|---|" + "---|" * len(args.rows))
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
