@@ -34,9 +34,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -429,20 +429,8 @@ void vnni_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t r
 
 #if defined(SPECSTREAM_HAS_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_ready() {
-  // Linux lends a process the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
-  // XFEATURE_XTILEDATA); a kernel that does not know the request (older than 5.16) has no AMX for us.
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ready;
-}
+using specstream_kernels::amx_ready;
+using specstream_kernels::TileConfig;
 
 void configure_tiles(int64_t rows) {
   TileConfig cfg;

@@ -62,6 +62,45 @@ inline void configure_bf16_tiles(int64_t rows) {
   // dropped or moved past it (the tiles then stay unconfigured: SIGILL at the first tile load).
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
+
+#if defined(__AMX_BF16__)
+// rows (<= 16) rows of bfloat16 x (its bits, row stride k) against one tile of 16 outputs, per block of 32 inputs:
+// fill_b(g, buf) writes block g's B tile (its 16 code-pair vectors, 1 KiB), TDPBF16PS multiplies the rows' 32 values
+// (A, read in place) into 16 x 16 float32 sums, and epilogue(sums, g) applies block g's scales to them (row r's 16
+// sums at sums + 16 r). Two blocks in flight; the caller configured the tiles (configure_bf16_tiles(rows)).
+template <typename FillB, typename Epilogue>
+inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue) {
+  alignas(64) uint16_t b0[16 * 32], b1[16 * 32];
+  alignas(64) float c0[16 * 16], c1[16 * 16];
+  const int64_t blocks = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
+  int64_t g = 0;
+  for (; g + 1 < blocks; g += 2) {
+    fill_b(g, b0);
+    fill_b(g + 1, b1);
+    _tile_loadd(2, x + g * 32, stride);
+    _tile_loadd(4, b0, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_loadd(3, x + (g + 1) * 32, stride);
+    _tile_loadd(5, b1, 64);
+    _tile_zero(1);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+    epilogue(c0, g);
+    epilogue(c1, g + 1);
+  }
+  if (g < blocks) {
+    fill_b(g, b0);
+    _tile_loadd(2, x + g * 32, stride);
+    _tile_loadd(4, b0, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, c0, 64);
+    epilogue(c0, g);
+  }
+}
+#endif
 #endif
 
 using Vec = at::vec::Vectorized<float>;

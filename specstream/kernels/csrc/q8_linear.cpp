@@ -162,41 +162,13 @@ inline void b_tile(const int8_t* cg, uint16_t* buf) {
 
 // rows <= 16 rows of x (bfloat16 bits, row stride k) against one tile; the caller configured the tiles for `rows`.
 void amx_tile(const uint16_t* x, int64_t k, int64_t rows, const int8_t* codes, const float* scales, __m512* out) {
-  alignas(64) uint16_t b0[16 * 32], b1[16 * 32];
-  alignas(64) float c0[16 * 16], c1[16 * 16];
-  const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_setzero_ps();
-  auto epilogue = [&](const float* c, int64_t g) {
-    const __m512 d = _mm512_loadu_ps(scales + g * kTile);
-    for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_fmadd_ps(d, _mm512_load_ps(c + r * 16), out[r]);
-  };
-  const int64_t stride = k * sizeof(uint16_t);
-  int64_t g = 0;
-  for (; g + 1 < blocks; g += 2) {
-    b_tile(codes + g * kBlock * kTile, b0);
-    b_tile(codes + (g + 1) * kBlock * kTile, b1);
-    _tile_loadd(2, x + g * kBlock, stride);
-    _tile_loadd(4, b0, 64);
-    _tile_zero(0);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_loadd(3, x + (g + 1) * kBlock, stride);
-    _tile_loadd(5, b1, 64);
-    _tile_zero(1);
-    _tile_dpbf16ps(1, 3, 5);
-    _tile_stored(0, c0, 64);
-    _tile_stored(1, c1, 64);
-    epilogue(c0, g);
-    epilogue(c1, g + 1);
-  }
-  if (g < blocks) {
-    b_tile(codes + g * kBlock * kTile, b0);
-    _tile_loadd(2, x + g * kBlock, stride);
-    _tile_loadd(4, b0, 64);
-    _tile_zero(0);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_stored(0, c0, 64);
-    epilogue(c0, g);
-  }
+  specstream_kernels::bf16_tile_blocks(
+      x, k, [&](int64_t g, uint16_t* buf) { b_tile(codes + g * kBlock * kTile, buf); },
+      [&](const float* c, int64_t g) {
+        const __m512 d = _mm512_loadu_ps(scales + g * kTile);
+        for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_fmadd_ps(d, _mm512_load_ps(c + r * 16), out[r]);
+      });
 }
 
 #endif
