@@ -6,7 +6,9 @@ the weights back), the dispatcher's pick, and a clear error where the path canno
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,15 @@ def test_the_build_asks_for_amx_bf16_where_the_cpu_has_it():
         pytest.skip("g++ is missing or takes none of the flags")
     assert "-mamx-bf16" in got and got.count("-mamx-tile") == 1
     assert "-mamx-bf16" not in cpu_kernels.int8_dot_flags("g++", avx512=True, cpu_flags="flags : fpu avx2 avx512f amx_int8")
+
+
+def test_a_compiler_without_amx_bf16_builds_the_vector_path_and_says_so_once(tmp_path, caplog):
+    fake = tmp_path / "old-g++"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -mamx-bf16) echo "unrecognized $a" >&2; exit 1;; esac; done\nexit 0\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    flags = "flags : fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16"
+    with caplog.at_level(logging.WARNING, logger="specstream.kernels.cpu"):
+        got = cpu_kernels.int8_dot_flags(str(fake), avx512=True, cpu_flags=flags)
+    assert got == ["-mavx512vnni", "-mamx-tile", "-mamx-int8"]  # a8's tiles still built
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "-mamx-bf16" in lines[0] and "amx_bf16" in lines[0]
