@@ -452,45 +452,25 @@ inline const uint8_t* b_tile(const Weights& w, int64_t t, int64_t g, uint8_t* bu
   return buf;
 }
 
+struct DotInt8 {  // common.h's tile_blocks
+  static void first() { _tile_dpbsud(0, 2, 4); }
+  static void second() { _tile_dpbsud(1, 3, 5); }
+};
+
 // rows <= 16; the caller configured the tiles for `rows`.
 void amx_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out) {
-  alignas(64) uint8_t b0[512], b1[512];
-  alignas(64) int32_t c0[16 * 16], c1[16 * 16];
   __m512 acc[16];
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* q = a.q.data() + r0 * a.k;
-  auto epilogue = [&](const int32_t* c, int64_t g) {
-    const __m512 d = load16(w.scales, w.at(t, g), w.f32);
-    const __m512 mn = w.four ? load16(w.mins, w.at(t, g), w.f32) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)
-      acc[r] = block_epilogue(_mm512_load_si512(c + r * 16), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
-  };
-  int64_t g = 0;
-  for (; g + 1 < w.blocks; g += 2) {
-    const uint8_t* bt0 = b_tile(w, t, g, b0);
-    const uint8_t* bt1 = b_tile(w, t, g + 1, b1);
-    _tile_loadd(2, q + g * kBlock, a.k);
-    _tile_loadd(4, bt0, 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 2, 4);
-    _tile_loadd(3, q + (g + 1) * kBlock, a.k);
-    _tile_loadd(5, bt1, 64);
-    _tile_zero(1);
-    _tile_dpbsud(1, 3, 5);
-    _tile_stored(0, c0, 64);
-    _tile_stored(1, c1, 64);
-    epilogue(c0, g);
-    epilogue(c1, g + 1);
-  }
-  if (g < w.blocks) {
-    const uint8_t* bt0 = b_tile(w, t, g, b0);
-    _tile_loadd(2, q + g * kBlock, a.k);
-    _tile_loadd(4, bt0, 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 2, 4);
-    _tile_stored(0, c0, 64);
-    epilogue(c0, g);
-  }
+  specstream_kernels::tile_blocks<DotInt8, int32_t>(
+      w.blocks, a.k, [&](int64_t g) { return q + g * kBlock; },
+      [&](int64_t g, uint8_t* scratch) -> const void* { return b_tile(w, t, g, scratch); },
+      [&](const int32_t* c, int64_t g) {
+        const __m512 d = load16(w.scales, w.at(t, g), w.f32);
+        const __m512 mn = w.four ? load16(w.mins, w.at(t, g), w.f32) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r)
+          acc[r] = block_epilogue(_mm512_load_si512(c + r * 16), a, (r0 + r) * a.blocks + g, w.four, d, mn, acc[r]);
+      });
   for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 

@@ -63,42 +63,62 @@ inline void configure_bf16_tiles(int64_t rows) {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
-#if defined(__AMX_BF16__)
-// rows (<= 16) rows of bfloat16 x (its bits, row stride k) against one tile of 16 outputs, per block of 32 inputs:
-// fill_b(g, buf) writes block g's B tile (its 16 code-pair vectors, 1 KiB), TDPBF16PS multiplies the rows' 32 values
-// (A, read in place) into 16 x 16 float32 sums, and epilogue(sums, g) applies block g's scales to them (row r's 16
-// sums at sums + 16 r). Two blocks in flight; the caller configured the tiles (configure_bf16_tiles(rows)).
-template <typename FillB, typename Epilogue>
-inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue) {
-  alignas(64) uint16_t b0[16 * 32], b1[16 * 32];
-  alignas(64) float c0[16 * 16], c1[16 * 16];
-  const int64_t blocks = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
+// One tile of 16 outputs against up to 16 rows, block by block, two blocks in flight on tiles 0, 1 (C), 2, 3 (A) and
+// 4, 5 (B): A is block g's inputs of the rows (at a_at(g), the rows `stride` bytes apart, read in place), B is
+// fill_b(g, scratch) (filled into scratch, 1 KiB, 64-byte aligned; or elsewhere, its address returned), Dot multiplies
+// them into C (first: tiles 0 += 2 x 4, second: 1 += 3 x 5; TDPBF16PS, TDPBSUD: GCC's macros take literal tile numbers), and epilogue(sums, g) reads C's 16 x 16 sums back (row r's 16 at
+// sums + 16 r: Sum is float or int32). The caller configured the tiles for its rows.
+template <typename Dot, typename Sum, typename AAt, typename FillB, typename Epilogue>
+inline void tile_blocks(int64_t blocks, int64_t stride, AAt&& a_at, FillB&& fill_b, Epilogue&& epilogue) {
+  alignas(64) uint8_t s0[1024], s1[1024];
+  alignas(64) Sum c0[16 * 16], c1[16 * 16];
   int64_t g = 0;
   for (; g + 1 < blocks; g += 2) {
-    fill_b(g, b0);
-    fill_b(g + 1, b1);
-    _tile_loadd(2, x + g * 32, stride);
+    const void* b0 = fill_b(g, s0);
+    const void* b1 = fill_b(g + 1, s1);
+    _tile_loadd(2, a_at(g), stride);
     _tile_loadd(4, b0, 64);
     _tile_zero(0);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_loadd(3, x + (g + 1) * 32, stride);
+    Dot::first();
+    _tile_loadd(3, a_at(g + 1), stride);
     _tile_loadd(5, b1, 64);
     _tile_zero(1);
-    _tile_dpbf16ps(1, 3, 5);
+    Dot::second();
     _tile_stored(0, c0, 64);
     _tile_stored(1, c1, 64);
     epilogue(c0, g);
     epilogue(c1, g + 1);
   }
   if (g < blocks) {
-    fill_b(g, b0);
-    _tile_loadd(2, x + g * 32, stride);
+    const void* b0 = fill_b(g, s0);
+    _tile_loadd(2, a_at(g), stride);
     _tile_loadd(4, b0, 64);
     _tile_zero(0);
-    _tile_dpbf16ps(0, 2, 4);
+    Dot::first();
     _tile_stored(0, c0, 64);
     epilogue(c0, g);
   }
+}
+
+#if defined(__AMX_BF16__)
+struct DotBf16 {
+  static void first() { _tile_dpbf16ps(0, 2, 4); }
+  static void second() { _tile_dpbf16ps(1, 3, 5); }
+};
+
+// rows (<= 16) rows of bfloat16 x (its bits, row stride k) against one tile of 16 outputs, per block of 32 inputs:
+// fill_b(g, buf) writes block g's B tile (its 16 code-pair vectors, 1 KiB), TDPBF16PS multiplies the rows' 32 values
+// into 16 x 16 float32 sums, and epilogue(sums, g) applies block g's scales to them (tile_blocks). The caller
+// configured the tiles (configure_bf16_tiles(rows)).
+template <typename FillB, typename Epilogue>
+inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue) {
+  tile_blocks<DotBf16, float>(
+      k / 32, k * static_cast<int64_t>(sizeof(uint16_t)), [&](int64_t g) { return x + g * 32; },
+      [&](int64_t g, uint8_t* scratch) -> const void* {
+        fill_b(g, reinterpret_cast<uint16_t*>(scratch));
+        return scratch;
+      },
+      epilogue);
 }
 #endif
 #endif
