@@ -13,8 +13,11 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
+#include <ATen/Parallel.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <algorithm>
 #endif
 
 namespace specstream_kernels {
@@ -52,8 +55,7 @@ inline bool amx_ready() {
 }
 
 // The tiles of the bfloat16 kernels (q4_linear, q8_linear): 0, 1 C (rows x 16 float32 sums); 2, 3 A (rows x 32
-// bfloat16 values of x); 4, 5 B (a block's 16 pairs of 32 inputs x 16 outputs). Tile state is per thread, and other
-// libraries on these threads (oneDNN) configure it for themselves: configure before each pass, release after.
+// bfloat16 values of x); 4, 5 B (a block's 16 pairs of 32 inputs x 16 outputs). Per thread: bf16_tile_passes.
 inline void configure_bf16_tiles(int64_t rows) {
   TileConfig cfg;
   for (int t : {0, 1, 2, 3}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
@@ -120,6 +122,28 @@ inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilo
       },
       epilogue);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// y [m_rows, 16 * tiles] (row stride n) through AMX-BF16 tiles: every tile of outputs against the rows in passes of up
+// to 16, tile(t, m0, rows, out) leaving pass m0's sums of tile t in out, stored to y (each rounded once to T). Tile
+// state is per thread, and other libraries on these threads (oneDNN) configure it for themselves: the tiles are
+// configured for each pass and released after it.
+template <typename T, typename Tile>
+inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, T* y, Tile&& tile) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    __m512 out[16];
+    for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, m_rows - m0);
+      configure_bf16_tiles(rows);
+      for (int64_t t = begin; t < end; ++t) {
+        tile(t, m0, rows, out);
+        for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n + t * 16, out[r]);
+      }
+      _tile_release();
+    }
+  });
+}
+#endif
 #endif
 #endif
 

@@ -174,8 +174,6 @@ inline void tile_rows_bf16(const uint16_t* x, const float* xsum, int64_t k, cons
 #define SPECSTREAM_Q4_AMX 1
 
 using specstream_kernels::amx_ready;
-using specstream_kernels::configure_bf16_tiles;
-
 
 inline void b_tile(const uint8_t* cg, uint16_t* buf) {
   for (int64_t j = 0; j < kBlock / 2; ++j) _mm512_store_si512(buf + j * 32, (__m512i)code_pairs(cg + j * kTile));
@@ -230,19 +228,9 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
   const float* xsum = xsums.data();
 #if defined(SPECSTREAM_Q4_AMX)
   if (path == kAmx) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      __m512 out[16];
-      for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, m_rows - m0);
-        // Tile state is per thread, and other libraries on these threads (oneDNN) configure it for themselves.
-        configure_bf16_tiles(rows);
-        for (int64_t t = begin; t < end; ++t) {
-          amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
-                   mins + t * blocks * kTile, out);
-          for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
-        }
-        _tile_release();
-      }
+    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out) {
+      amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
+               mins + t * blocks * kTile, out);
     });
     return;
   }

@@ -150,7 +150,6 @@ inline void tile_bf16(const uint16_t* x, int64_t k, const int8_t* codes, const f
 #define SPECSTREAM_Q8_AMX 1
 
 using specstream_kernels::amx_ready;
-using specstream_kernels::configure_bf16_tiles;
 
 inline void b_tile(const int8_t* cg, uint16_t* buf) {
   for (int64_t j = 0; j < kBlock / 2; ++j) {
@@ -214,17 +213,8 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
   const int64_t tiles = n_rows / kTile, blocks = k / G;
 #if defined(SPECSTREAM_Q8_AMX)
   if (path == kAmx) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      __m512 out[16];
-      for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, m_rows - m0);
-        configure_bf16_tiles(rows);  // per thread and pass (common.h)
-        for (int64_t t = begin; t < end; ++t) {
-          amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out);
-          for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
-        }
-        _tile_release();
-      }
+    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out) {
+      amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out);
     });
     return;
   }
