@@ -22,6 +22,17 @@ def kernels():
     assert cpu_kernels.load(), "the kernels should build where g++ is installed"
 
 
+VECTOR, TILES = 0, 1  # short_attention's paths
+
+
+@pytest.fixture(params=[VECTOR, TILES], ids=["vector", "amx-tiles"])
+def path(request, kernels):
+    """Each of short_attention's paths for bfloat16 and a head dimension of 64, skipped where the CPU lacks it."""
+    if request.param not in torch.ops.specstream.short_attention_paths():
+        pytest.skip("this CPU (or its build) has no AMX-BF16: short_attention's tile path is not here")
+    return request.param
+
+
 def _step(gen, batch, runs, s_max, heads, kv_heads, d, dtype, masked):
     """A random short step over a paged pool: each sequence's keys in random blocks of BLOCK slots, its
     query rows packed in a random order, padding rows and padding keys where a step has them."""
@@ -72,13 +83,15 @@ def test_short_attention_equals_the_torch_version(kernels, dtype, batch, runs, h
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
-def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(kernels, dtype):
     """The step's own keys/values go into the pool before attending (a query sees its own key), and what
-    masked slots hold never reaches the output, not even NaN."""
+    masked slots hold never reaches the output, not even NaN (bfloat16: the tiles read a block of 16 keys in
+    place where their slots run consecutively, hidden ones included)."""
     gen = torch.Generator().manual_seed(1)
-    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, 2, [3, 2], 48, 4, 2, 64, torch.float32, True)
+    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, 2, [3, 2], 48, 4, 2, 64, dtype, True)
     slots = kv_index[0, 40:43]
-    new_k, new_v = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+    new_k, new_v = torch.randn(3, 2, 64, generator=gen).to(dtype), torch.randn(3, 2, 64, generator=gen).to(dtype)
     args = (slots, query, new_k, new_v, kv_index, mask, q_index, out_index, 0.125)
     want = attend_short(keys.clone(), values.clone(), *args, kernel=False)
     hidden = ~mask[:, 0].any(1)  # key columns no query of its sequence sees
@@ -86,7 +99,9 @@ def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(ker
     values[kv_index[hidden]] = float("nan")
     got = attend_short(keys, values, *args, kernel=True)
     assert torch.equal(keys[slots], new_k) and torch.equal(values[slots], new_v)
-    torch.testing.assert_close(got, want)
+    assert not got.isnan().any()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
 
@@ -94,7 +109,8 @@ def test_short_attention_writes_the_step_keys_first_and_ignores_masked_slots(ker
 def test_short_attention_gives_each_row_what_it_gets_alone(kernels, dtype):
     """Rows that share a pass over the keys (a verification's rows, the heads of a key/value head) get
     bit for bit what each gets in a step of its own: a row's result depends on its query, keys and mask
-    alone, whatever the step holds and however the work is split among threads."""
+    alone, whatever the step holds and however the work is split among threads. (bfloat16 here takes the
+    AMX tiles where the CPU has them: the default path, at every row count.)"""
     gen = torch.Generator().manual_seed(7)
     keys, values, query, kv_index, mask, q_index, out_index = _step(gen, 2, [9, 4], 300, 9, 3, 64, dtype, True)
     t_max = q_index.shape[1]
@@ -115,6 +131,24 @@ def test_short_attention_gives_each_row_what_it_gets_alone(kernels, dtype):
             torch.set_num_threads(threads_before)
 
 
+@pytest.mark.parametrize("runs,s_max", [([1], 70), ([9], 70), ([16, 3], 300), ([17], 1030), ([6, 1, 2], 33)])
+def test_short_attention_paths_agree(path, runs, s_max):
+    """Each path (the vector one; AMX tiles: 16 queries a pass, keys read in place or gathered) gives the torch
+    version's attention in float32 to bfloat16's precision, for decodes, verifications, more queries than one
+    pass holds, and contexts that end mid-block; the default path is the tiles wherever the CPU has them."""
+    gen = torch.Generator().manual_seed(len(runs) * 1000 + s_max)
+    keys, values, query, kv_index, mask, q_index, out_index = _step(gen, len(runs), runs, s_max, 9, 3, 64, torch.bfloat16,
+                                                                    len(runs) > 1 or runs[0] > 1)
+    got = torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, 0.125, path)
+    none = torch.empty(0, dtype=torch.long)
+    want = attend_short(keys.float(), values.float(), none, query.float(), keys[:0].float(), values[:0].float(),
+                        kv_index, mask, q_index, out_index, 0.125, kernel=False)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    if path == max(torch.ops.specstream.short_attention_paths()):
+        default = torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+        assert torch.equal(default, got)
+
+
 def test_short_attention_refuses_what_it_cannot_serve(kernels):
     q = torch.randn(1, 4, 48)
     kv = torch.randn(16, 2, 48)
@@ -125,6 +159,11 @@ def test_short_attention_refuses_what_it_cannot_serve(kernels):
         q64 = torch.randn(1, 4, 64)
         kv64 = torch.randn(16, 2, 64, dtype=torch.bfloat16)
         torch.ops.specstream.short_attention(q64, kv64, kv64, index, None, index, index[0], 0.1)
+    with pytest.raises(RuntimeError, match="path -1, 0 or 1"):
+        torch.ops.specstream.short_attention(q64, q64, q64, index, None, index, index[0], 0.1, 2)
+    if TILES in torch.ops.specstream.short_attention_paths():
+        with pytest.raises(RuntimeError, match="AMX path needs bfloat16"):
+            torch.ops.specstream.short_attention(q64, q64, q64, index, None, index, index[0], 0.1, TILES)
     assert cpu_kernels.fits_head(64) and cpu_kernels.fits_head(128) and not cpu_kernels.fits_head(48)
     assert not cpu_kernels.fits_head(512)
 

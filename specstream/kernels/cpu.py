@@ -43,7 +43,7 @@ HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 _lib = torch.library.Library("specstream", "DEF")
 _lib.define(
     "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "
-    "Tensor out_index, float scaling) -> Tensor"
+    "Tensor out_index, float scaling, int path=-1) -> Tensor"
 )
 _lib.define("q8_linear(Tensor x, Tensor codes, Tensor scales, int path=-1) -> Tensor")
 _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
@@ -53,7 +53,7 @@ _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
-def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_index, scaling):
+def _short_attention_shape(query, keys, values, kv_index, mask, q_index, out_index, scaling, path=-1):
     return query.new_empty((out_index.shape[0], query.shape[1], query.shape[2]))
 
 

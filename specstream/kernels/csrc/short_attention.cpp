@@ -16,6 +16,11 @@
 // keys, queries, probabilities and values multiply as bfloat16 pairs (VDPBF16PS) where the CPU has it.
 // Measured with 2 threads over 1024 keys: a decode step's attention 71 -> 54 us a layer, a verification
 // of 9 rows 448 -> 210 us (benchmarks/cpu_kernels.py).
+//
+// Where the CPU has AMX-BF16, bfloat16 with a head dimension of 64 takes tiles instead (attend_tiles): up to 16
+// queries of a key/value head share each tile multiply, for the scores and for the sum over the values. It
+// serves every call there, decode included, so a row's numbers stay the same in any step (README: row
+// invariance). Its figures: README, "Attention on AMX tiles".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +48,8 @@ using specstream_kernels::sum_lanes;
 using specstream_kernels::Vec;
 
 constexpr int64_t kMaxDim = 256;
+constexpr int64_t kVectorPath = 0, kTiles = 1;  // short_attention's paths (short_attention_paths)
+constexpr int64_t kTileChunk = 16;  // queries that share one item on the AMX tiles
 constexpr int64_t kMaxVecs = kMaxDim / Vec::size();
 
 // Row r of d values as float32 vectors, d a multiple of 2 * Vec::size() (queries, keys and values may be
@@ -146,6 +153,34 @@ inline __m512 sum_each(const __m512* v) {
 }
 
 constexpr int64_t kBlock = 16;  // keys scored together
+
+// A query's scores of the keys its mask hides (m_row: null hides none) set to -inf.
+inline void hide_masked(float* sc, const bool* m_row, int64_t m_stride, int64_t s_max) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (m_row && m_stride == 1) {
+    const __m512 hidden = _mm512_set1_ps(neg_inf);
+    int64_t s = 0;
+    for (; s + 16 <= s_max; s += 16) {
+      const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_row + s));
+      _mm512_mask_storeu_ps(sc + s, _mm_cmpeq_epi8_mask(m, _mm_setzero_si128()), hidden);
+    }
+    for (; s < s_max; ++s)
+      if (!m_row[s]) sc[s] = neg_inf;
+  } else if (m_row) {
+    for (int64_t s = 0; s < s_max; ++s)
+      if (!m_row[s * m_stride]) sc[s] = neg_inf;
+  }
+}
+
+// The largest of sc[0, s_max).
+inline float row_max(const float* sc, int64_t s_max) {
+  int64_t s = 0;
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  for (; s + Vec::size() <= s_max; s += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(sc + s));
+  float top = _mm512_reduce_max_ps(vmax);
+  for (; s < s_max; ++s) top = sc[s] > top ? sc[s] : top;
+  return top;
+}
 constexpr int64_t kChunk = 4;   // most queries that share one pass over the keys and values
 
 // Up to kChunk queries of one sequence and one key/value head (its query heads, of one or more rows),
@@ -226,25 +261,8 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
   // masked keys at -inf, then each query's softmax, each probability rounded to the values' dtype
   for (int64_t j = 0; j < nq; ++j) {
     float* sc = scores + j * s_pad;
-    if (m_rows[j] && m_stride == 1) {
-      const __m512 hidden = _mm512_set1_ps(neg_inf);
-      int64_t s = 0;
-      for (; s + 16 <= s_max; s += 16) {
-        const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_rows[j] + s));
-        _mm512_mask_storeu_ps(sc + s, _mm_cmpeq_epi8_mask(m, _mm_setzero_si128()), hidden);
-      }
-      for (; s < s_max; ++s)
-        if (!m_rows[j][s]) sc[s] = neg_inf;
-    } else if (m_rows[j]) {
-      for (int64_t s = 0; s < s_max; ++s)
-        if (!m_rows[j][s * m_stride]) sc[s] = neg_inf;
-    }
-    int64_t s = 0;
-    Vec vmax(neg_inf);
-    for (; s + Vec::size() <= s_max; s += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(sc + s));
-    float top = _mm512_reduce_max_ps(vmax);
-    for (; s < s_max; ++s) top = sc[s] > top ? sc[s] : top;
-    softmax_rounded<T>(sc, s_max, top);
+    hide_masked(sc, m_rows[j], m_stride, s_max);
+    softmax_rounded<T>(sc, s_max, row_max(sc, s_max));
   }
   __m512 acc[NQ][V];
   for (int64_t j = 0; j < nq; ++j)
@@ -308,11 +326,261 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX-BF16 (bfloat16, d = 64): up to 16 queries of one sequence and one key/value head share each tile
+// multiply. Scores: per 16 keys, the keys (A: 16 x 32 values, twice for 64; read in place where their slots
+// run consecutively in the pool, else gathered) times the queries' value pairs (B, built once per item) give
+// the 16 keys' scores for every query (C), transposed to one row per query. The softmax is the vector path's,
+// row by row. Output: per 32 keys, the probabilities (A: queries x 32, bfloat16) times the keys' values
+// interleaved into pairs (B, 16 dimensions a tile) add into four tiles of 16 x 16 float32 sums (C). Each sum of a
+// tile is its row's and column's alone, so a query's result does not depend on the queries beside it; it differs
+// from the vector path's in the order of its float32 additions, so one CPU takes one path for every call (the
+// dispatcher picks the tiles wherever the CPU has them).
+#define SPECSTREAM_ATTENTION_AMX 1
+
+using specstream_kernels::amx_ready;
+
+// Tiles 0-7, each 16 rows x 64 bytes. Scores: 4, 5 B (query pairs, dims 0-31, 32-63), 6, 7 A (keys), 0 C. Output:
+// 0-3 C (dims 16 c ..), 4 A (probabilities), 5, 6, 7 B (value pairs).
+inline void configure_attention_tiles() {
+  specstream_kernels::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));  // see common.h's configure_bf16_tiles
+}
+
+// out[r] = column r of the 16 x 16 float32 in (rows 16 apart).
+inline void transpose16(const float* in, __m512* out) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+    out[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    out[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    out[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    out[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+// A thread's buffers for attend_tiles, sized for s_max keys.
+struct TileScratch {
+  explicit TileScratch(int64_t s_max)
+      : s_pad((s_max + 31) / 32 * 32), ld(s_pad + 32), scores(kTileChunk * ld), probs(kTileChunk * ld), seen(new bool[s_pad]) {}
+  int64_t s_pad;                  // keys rounded up to whole blocks of 32
+  int64_t ld;                     // row stride of scores and probs: s_pad and 128 bytes (rows a power of two
+                                  // apart would share the L1 cache's sets)
+  std::vector<float> scores;      // [query][key]
+  std::vector<uint16_t> probs;    // [query][key], bfloat16 bits (rows past the item's queries: never read back)
+  std::unique_ptr<bool[]> seen;   // by key: whether a query of the item sees it
+  alignas(64) uint16_t keys[2][16 * 64];       // a block of 16 keys gathered (two: one per C tile in flight)
+  alignas(64) uint16_t value_pairs[2][4][16 * 32];  // B tiles of 32 keys' values (two: one being read, one filled)
+};
+
+// Scores of a block of 16 keys (A: `keys`, rows `stride` bytes apart) against the queries (B: tiles 4, 5) into C
+// tile 0 (keys on tiles 6, 7) or 1 (2, 3): two blocks in flight. GCC's tile macros take literal tile numbers.
+inline void score_block_0(const void* keys, int64_t stride) {
+  _tile_loadd(6, keys, stride);
+  _tile_loadd(7, static_cast<const uint8_t*>(keys) + 64, stride);
+  _tile_zero(0);
+  _tile_dpbf16ps(0, 6, 4);
+  _tile_dpbf16ps(0, 7, 5);
+}
+inline void score_block_1(const void* keys, int64_t stride) {
+  _tile_loadd(2, keys, stride);
+  _tile_loadd(3, static_cast<const uint8_t*>(keys) + 64, stride);
+  _tile_zero(1);
+  _tile_dpbf16ps(1, 2, 4);
+  _tile_dpbf16ps(1, 3, 5);
+}
+
+// Which of keys s0 .. s0 + n - 1 (n <= 16) a query's mask row shows (null: all).
+inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int64_t n) {
+  const __mmask16 in = static_cast<__mmask16>((1u << n) - 1);
+  if (!m_row) return in;
+  if (m_stride == 1) return _mm_test_epi8_mask(_mm_maskz_loadu_epi8(in, m_row + s0), _mm_set1_epi8(1));
+  __mmask16 out = 0;
+  for (int64_t s = 0; s < n; ++s) out |= static_cast<__mmask16>(m_row[(s0 + s) * m_stride] ? 1u << s : 0u);
+  return out;
+}
+
+// nq <= 16 queries of one sequence and one key/value head (q_rows, masks m_rows: null sees every key, results
+// o_rows), their keys' pool slots, on the tiles configure_attention_tiles set up.
+void attend_tiles(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
+                  int64_t nq, const c10::BFloat16* k_base, const c10::BFloat16* v_base, int64_t k_stride,
+                  int64_t v_stride, int64_t pool_slots, const int64_t* slots, int64_t m_stride, int64_t s_max,
+                  float scale, TileScratch& w) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t s_pad = w.s_pad;
+  bool* seen = w.seen.get();
+  bool all_see = false;
+  for (int64_t j = 0; j < nq; ++j) all_see |= m_rows[j] == nullptr;
+  for (int64_t s = 0; s < s_pad; s += 16) {  // bools are 0 or 1: the masks' bytes or'ed, 16 keys at a time
+    const int64_t n = std::clamp<int64_t>(s_max - s, 0, 16);
+    __mmask16 any = all_see ? static_cast<__mmask16>((1u << n) - 1) : 0;
+    for (int64_t j = 0; j < nq && !all_see; ++j) any |= visible16(m_rows[j], m_stride, s, n);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(seen + s), _mm_maskz_set1_epi8(any, 1));
+  }
+  // the queries' value pairs, B of the scores: qb[h][p][q] = query q's values 32 h + 2 p, 32 h + 2 p + 1
+  alignas(64) uint32_t qb[2][16][16] = {};
+  for (int64_t j = 0; j < nq; ++j) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(q_rows[j]);
+    for (int64_t p = 0; p < 32; ++p) qb[p / 16][p % 16][j] = q[p];
+  }
+  _tile_loadd(4, qb[0], 64);
+  _tile_loadd(5, qb[1], 64);
+
+  // Scores, a block of 16 keys at a time, the next block's multiply in flight while this one's sums are read:
+  // scaled, masked to -inf (and blocks no query sees skipped: -inf), each query's running maximum kept.
+  __m512 top[16];
+  for (int64_t j = 0; j < nq; ++j) top[j] = neg_inf;
+  auto next_block = [&](int64_t s0) {
+    for (; s0 < s_max; s0 += 16) {
+      bool any = false;
+      for (int64_t s = s0; s < std::min(s0 + 16, s_max); ++s) any |= seen[s];
+      if (any) return s0;
+      for (int64_t j = 0; j < nq; ++j) _mm512_storeu_ps(w.scores.data() + j * w.ld + s0, neg_inf);
+    }
+    return s_max;
+  };
+  auto issue = [&](int64_t s0, int which) {  // the block's keys in place where 16 slots run consecutively, else
+    const int64_t nb = std::min<int64_t>(16, s_max - s0);  // gathered (keys no query sees as zeros: any slot)
+    bool in_place = nb == 16 && slots[s0] >= 0 && slots[s0] + 16 <= pool_slots;
+    for (int64_t s = 1; s < nb && in_place; ++s) in_place = slots[s0 + s] == slots[s0] + s;
+    const void* a = k_base + slots[s0] * k_stride;
+    int64_t stride = k_stride * 2;
+    if (!in_place) {
+      uint16_t* buf = w.keys[which];
+      for (int64_t s = 0; s < 16; ++s) {
+        const bool read = s < nb && seen[s0 + s];
+        const c10::BFloat16* key = read ? k_base + slots[s0 + s] * k_stride : nullptr;
+        _mm512_store_si512(buf + s * 64, read ? _mm512_loadu_si512(key) : _mm512_setzero_si512());
+        _mm512_store_si512(buf + s * 64 + 32, read ? _mm512_loadu_si512(key + 32) : _mm512_setzero_si512());
+      }
+      a = buf;
+      stride = 128;
+    }
+    if (which == 0)
+      score_block_0(a, stride);
+    else
+      score_block_1(a, stride);
+  };
+  alignas(64) float c[16 * 16];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int which = 0;
+  int64_t s0 = next_block(0);
+  if (s0 < s_max) issue(s0, which);
+  while (s0 < s_max) {
+    const int64_t s1 = next_block(s0 + 16);
+    if (s1 < s_max) issue(s1, which ^ 1);
+    if (which == 0)
+      _tile_stored(0, c, 64);
+    else
+      _tile_stored(1, c, 64);
+    __m512 rows[16];
+    transpose16(c, rows);
+    const int64_t nb = std::min<int64_t>(16, s_max - s0);
+    for (int64_t j = 0; j < nq; ++j) {
+      const __m512 x = _mm512_mask_mov_ps(neg_inf, visible16(m_rows[j], m_stride, s0, nb), _mm512_mul_ps(rows[j], vscale));
+      _mm512_storeu_ps(w.scores.data() + j * w.ld + s0, x);
+      top[j] = _mm512_max_ps(top[j], x);
+    }
+    s0 = s1;
+    which ^= 1;
+  }
+  // Each query's softmax: exp(x - top) (exp_u20: torch's flash attention's, 20 ulp; the probabilities are
+  // rounded to bfloat16 next, 2^-8), summed lane by lane as softmax_rounded sums them, and divided by the sum
+  // straight into bfloat16 (zeros past the keys, to a whole block of 32).
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sc = w.scores.data() + j * w.ld;
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top[j]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < s_max; s += 16) {
+      const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, s_max - s)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(in, Vec(_mm512_sub_ps(_mm512_loadu_ps(sc + s), vtop)).exp_u20());
+      _mm512_storeu_ps(sc + s, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    uint16_t* pr = w.probs.data() + j * w.ld;
+    for (int64_t s = 0; s < s_pad; s += 16) {
+      const __m512 p = s < s_max ? _mm512_div_ps(_mm512_loadu_ps(sc + s), total) : _mm512_setzero_ps();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + s), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  }
+  // Output, 32 keys at a time: C tile h2 (0-3) sums dims 32 (h2 / 2) + 8 L + 4 (h2 % 2) + i at column 4 L + i (the
+  // pairs' interleave); values of keys no query sees as zeros (their slots may hold anything; p = 0 times NaN).
+  const __m512i none = _mm512_setzero_si512();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  auto multiply = [&](int64_t s0, const uint16_t (*vb)[16 * 32]) {
+    _tile_loadd(4, w.probs.data() + s0, w.ld * 2);
+    _tile_loadd(5, vb[0], 64);
+    _tile_loadd(6, vb[1], 64);
+    _tile_loadd(7, vb[2], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, vb[3], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  };
+  // a block's value pairs are filled one block ahead of their tile loads (a tile load right after the vector
+  // stores that wrote its bytes waits for them to drain)
+  int fill = 0;
+  int64_t pending = -1;
+  for (int64_t s0 = 0; s0 < s_max; s0 += 32) {
+    bool any = false;
+    for (int64_t s = s0; s < s0 + 32; ++s) any |= seen[s];
+    if (!any) continue;
+    auto load = [&](int64_t s, int64_t h) {
+      return s < s_max && seen[s] ? _mm512_loadu_si512(v_base + slots[s] * v_stride + 32 * h) : none;
+    };
+    uint16_t(*vb)[16 * 32] = w.value_pairs[fill];
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t s = s0 + 2 * p;
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m512i a = load(s, h), b = load(s + 1, h);
+        _mm512_store_si512(vb[2 * h] + p * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(vb[2 * h + 1] + p * 32, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    if (pending >= 0) multiply(pending, w.value_pairs[fill ^ 1]);
+    pending = s0;
+    fill ^= 1;
+  }
+  if (pending >= 0) multiply(pending, w.value_pairs[fill ^ 1]);
+  alignas(64) float out[4][16 * 16];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  _tile_stored(2, out[2], 64);
+  _tile_stored(3, out[3], 64);
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t l = 0; l < 4; ++l)
+        for (int64_t i = 0; i < 4; ++i) {
+          o_rows[j][32 * h + 8 * l + i] = static_cast<c10::BFloat16>(out[2 * h][j * 16 + 4 * l + i]);
+          o_rows[j][32 * h + 8 * l + 4 + i] = static_cast<c10::BFloat16>(out[2 * h + 1][j * 16 + 4 * l + i]);
+        }
+}
+#endif
+
 // Without AVX-512, or for a head dimension other than 64: each work item is one query row and one head.
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& kv_index,
          const std::optional<at::Tensor>& mask, const at::Tensor& q_index, const at::Tensor& out_index, double scaling,
-         at::Tensor& out) {
+         at::Tensor& out, int64_t path) {
   const int64_t n = out_index.size(0), heads = query.size(1), d = query.size(2);
   const int64_t group = heads / keys.size(1);
   const int64_t t_max = q_index.size(1), s_max = kv_index.size(1);
@@ -333,7 +601,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 #if defined(CPU_CAPABILITY_AVX512)
   if (d == 4 * Vec::size()) {
     // Work items: a sequence, a key/value head and up to kChunk of the queries that read it (the group's
-    // heads of the sequence's rows), in chunks small enough to give every thread two items or more.
+    // heads of the sequence's rows; 16 on the tiles), in chunks small enough to give every thread two items or
+    // more (on the tiles: one or more, a smaller item costing nearly as much as a full one).
     std::vector<std::vector<int64_t>> rows_of(kv_index.size(0));
     for (int64_t i = 0; i < n; ++i) rows_of[oi_ptr[i] / t_max].push_back(i);
     const int64_t kv_heads = keys.size(1);
@@ -342,8 +611,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       for (const auto& rows : rows_of) items += kv_heads * ((static_cast<int64_t>(rows.size()) * group + chunk - 1) / chunk);
       return items;
     };
-    int64_t chunk = kChunk;
-    while (chunk > 1 && count(chunk) < 2 * at::get_num_threads()) --chunk;
+    const bool tiles = path == kTiles;
+    int64_t chunk = tiles ? kTileChunk : kChunk;
+    while (chunk > 1 && count(chunk) < (tiles ? 1 : 2) * at::get_num_threads()) --chunk;
     struct Item {
       int64_t b, g, first, last;  // queries first .. last - 1 of (b, g), query q = row q / group, head q % group
     };
@@ -354,6 +624,33 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
         for (int64_t q = 0; q < total; q += chunk) items.push_back({b, g, q, std::min(q + chunk, total)});
     }
     const int64_t s_pad = (s_max + kBlock - 1) / kBlock * kBlock;
+#if defined(SPECSTREAM_ATTENTION_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (tiles) {
+        at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+          TileScratch scratch(s_max);
+          configure_attention_tiles();
+          for (int64_t w = begin; w < end; ++w) {
+            const Item& it = items[w];
+            const T* q_rows[kTileChunk];
+            const bool* m_rows[kTileChunk];
+            T* o_rows[kTileChunk];
+            for (int64_t q = it.first; q < it.last; ++q) {
+              const int64_t i = rows_of[it.b][q / group], h = it.g * group + q % group;
+              const int64_t t = oi_ptr[i] % t_max;
+              q_rows[q - it.first] = q_ptr + qi_ptr[it.b * t_max + t] * qs0 + h * qs1;
+              m_rows[q - it.first] = m_ptr ? m_ptr + it.b * ms0 + t * ms2 : nullptr;
+              o_rows[q - it.first] = o_ptr + (i * heads + h) * d;
+            }
+            attend_tiles(q_rows, m_rows, o_rows, it.last - it.first, k_ptr + it.g * ks1, v_ptr + it.g * vs1, ks0, vs0,
+                         keys.size(0), kv_ptr + it.b * s_max, ms3, s_max, scale, scratch);
+          }
+          _tile_release();
+        });
+        return;
+      }
+    }
+#endif
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(kChunk * s_pad);
       std::unique_ptr<bool[]> seen(new bool[s_pad]);  // by key: whether a query of the pass sees it
@@ -410,13 +707,23 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   });
 }
 
+// The paths this CPU and build have: 0 (vector), 1 (AMX-BF16 tiles: bfloat16, head dimension 64).
+std::vector<int64_t> short_attention_paths() {
+  std::vector<int64_t> out{kVectorPath};
+#if defined(SPECSTREAM_ATTENTION_AMX)
+  if (amx_ready()) out.push_back(kTiles);
+#endif
+  return out;
+}
+
 // query [T, heads, d] (the step's rows; any strides with a unit last one), keys/values [slots, kv_heads, d]
 // (one layer of the pool), kv_index [B, S] pool slot of each sequence's keys, mask [B, 1, T_max, S] (True:
 // visible) or none, q_index [B, T_max] row of each query, out_index [n] flattened (b, t) of each output
-// row. Returns [n, heads, d].
+// row; path -1 picks (the AMX tiles for bfloat16 and a head dimension of 64 wherever the CPU has them, at every
+// row count: a row's numbers are then the same in any step), 0 or 1 asks for one. Returns [n, heads, d].
 at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& kv_index, const std::optional<at::Tensor>& mask, const at::Tensor& q_index,
-                           const at::Tensor& out_index, double scaling) {
+                           const at::Tensor& out_index, double scaling, int64_t path) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "short_attention: 3-d query, keys, values");
   TORCH_CHECK(query.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "short_attention: query, keys and values share a dtype");
@@ -429,13 +736,20 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, cons
   TORCH_CHECK(kv_index.scalar_type() == at::kLong && q_index.scalar_type() == at::kLong &&
                   out_index.scalar_type() == at::kLong, "short_attention: int64 indexes");
   TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool, "short_attention: bool mask");
+  static const std::vector<int64_t> paths = short_attention_paths();
+  const bool fits_tiles = query.scalar_type() == at::kBFloat16 && query.size(2) == 64 &&
+                          std::find(paths.begin(), paths.end(), kTiles) != paths.end();
+  TORCH_CHECK(path >= -1 && path <= kTiles, "short_attention: path -1, 0 or 1, not ", path);
+  TORCH_CHECK(path != kTiles || fits_tiles,
+              "short_attention: the AMX path needs bfloat16, a head dimension of 64, and a CPU and build with AMX-BF16");
+  if (path < 0) path = fits_tiles ? kTiles : kVectorPath;
   auto kv = kv_index.contiguous(), qi = q_index.contiguous(), oi = out_index.contiguous();
   at::Tensor out = at::empty({oi.size(0), query.size(1), query.size(2)}, query.options());
   if (oi.size(0) == 0) return out;
   switch (query.scalar_type()) {
-    case at::kFloat: run<float>(query, keys, values, kv, mask, qi, oi, scaling, out); break;
-    case at::kBFloat16: run<c10::BFloat16>(query, keys, values, kv, mask, qi, oi, scaling, out); break;
-    case at::kHalf: run<c10::Half>(query, keys, values, kv, mask, qi, oi, scaling, out); break;
+    case at::kFloat: run<float>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
+    case at::kBFloat16: run<c10::BFloat16>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
+    case at::kHalf: run<c10::Half>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
     default: TORCH_CHECK(false, "short_attention: float32, bfloat16 or float16, not ", query.scalar_type());
   }
   return out;
@@ -444,3 +758,5 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, cons
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specstream, CPU, m) { m.impl("short_attention", &short_attention); }
+
+TORCH_LIBRARY_FRAGMENT(specstream, m) { m.def("short_attention_paths() -> int[]", &short_attention_paths); }
