@@ -158,15 +158,29 @@ inline float sum_lanes(const Vec& x) {
 #endif
 }
 
+// A row of k values (`stride` apart) as float32; bfloat16 and float16 contiguous rows a vector at a time (exact:
+// each is a float32).
+template <typename T>
+inline void widen_row(const T* row, int64_t stride, float* out, int64_t k) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    if (stride == 1) {
+      for (; j + 2 * Vec::size() <= k; j += 2 * Vec::size()) {
+        auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(row + j));
+        lo.store(out + j);
+        hi.store(out + j + Vec::size());
+      }
+    }
+  }
+  for (; j < k; ++j) out[j] = static_cast<float>(row[j * stride]);
+}
+
 // x [M, K] as float32, row by row (a vector rather than a tensor: no dispatch for so small a copy).
 inline std::vector<float> as_float(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1);
   std::vector<float> out(m * k);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "as_float", [&] {
-    for (int64_t r = 0; r < m; ++r) {
-      const scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-      for (int64_t j = 0; j < k; ++j) out[r * k + j] = static_cast<float>(row[j * x.stride(1)]);
-    }
+    for (int64_t r = 0; r < m; ++r) widen_row(x.data_ptr<scalar_t>() + r * x.stride(0), x.stride(1), out.data() + r * k, k);
   });
   return out;
 }

@@ -218,12 +218,11 @@ template <typename T, typename S>
 void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scales, const S* mins, T* y,
          int64_t m_rows, int64_t n_rows, int64_t k, int64_t path) {
   const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
-  std::vector<float> xsums(m_rows * blocks);
-  for (int64_t r = 0; r < m_rows; ++r)
+  std::vector<float> xsums(m_rows * blocks);  // each block's sum, a vector's lanes at a time (a chain of 32
+  for (int64_t r = 0; r < m_rows; ++r)        // dependent adds a block cost more than the tiles at 9 rows)
     for (int64_t g = 0; g < blocks; ++g) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) sum += x[r * k + g * kBlock + j];
-      xsums[r * blocks + g] = sum;
+      const float* xg = x + r * k + g * kBlock;
+      xsums[r * blocks + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16)));
     }
   const float* xsum = xsums.data();
 #if defined(SPECSTREAM_Q4_AMX)
