@@ -13,7 +13,8 @@ torch uses (2 here), best of N interleaved runs, weights and keys random but lai
 - where the CPU has AMX-BF16: q4_linear's and q8_linear's vector path (float32, or VDPBF16PS pairs) against their AMX
   tiles (TDPBF16PS), forced by path, at the same shapes;
 - short_attention vs the torch ops of a short step's attention (gather, two matmuls, softmax), compiled
-  with torch.compile as in the forward, over a paged pool.
+  with torch.compile as in the forward, over a paged pool; where the CPU has AMX-BF16, short_attention's
+  vector path against its AMX tiles (the default there).
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --repeats 50 --rows 1 9 16
@@ -162,28 +163,43 @@ def main() -> None:
             cells.append(f"{d:.0f} / {q:.0f} / {a:.0f} ({d / q:.2f}x / {d / a:.2f}x)")
         print(f"| Q4_K | {n}x{k} | " + " | ".join(cells) + " |")
 
-    print("\n| short_attention, 9 heads over 3 of 64 | " + " | ".join(["context 256", "context 1024"]) + " |")
-    print("|---|---|---|")
+    attention(args.repeats, gen)
+
+
+def attention(repeats: int, gen: torch.Generator) -> None:
+    """short_attention against the torch version, then (AMX-BF16 CPUs) its vector path against its tiles."""
     slots, block = 23000, 16
     keys = torch.randn(slots, 3, 64, generator=gen).bfloat16()
     values = torch.randn(slots, 3, 64, generator=gen).bfloat16()
     torch_version = torch.compile(attend_short, dynamic=True)
-    for label, batch, run in [("decode, 1 sequence", 1, 1), ("verify 9 rows, 1 sequence", 1, 9), ("decode, 8 sequences", 8, 1)]:
-        cells = []
-        for context in (256, 1024):
-            table = torch.randperm(slots // block, generator=gen)[: batch * context // block].view(batch, -1)
-            kv_index = (table[:, :, None] * block + torch.arange(block)).view(batch, -1)
-            n_rows = batch * run
-            q_index = torch.arange(n_rows).view(batch, run)
-            out_index = torch.arange(n_rows)
-            positions = torch.arange(context)[None, :] <= (context - run + torch.arange(run))[:, None]
-            mask = None if batch == 1 and run == 1 else positions[None, None].expand(batch, 1, run, context).contiguous()
-            query = torch.randn(n_rows, 9, 64, generator=gen).bfloat16()
-            none = torch.empty(0, dtype=torch.long)
-            step = (keys, values, none, query, keys[:0], values[:0], kv_index, mask, q_index, out_index, 0.125)
-            t, o = best_of([partial(torch_version, *step), partial(attend_short, *step, kernel=True)], args.repeats)
-            cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    steps = [("decode, 1 sequence", 1, 1), ("verify 9 rows, 1 sequence", 1, 9), ("verify 16 rows, 1 sequence", 1, 16),
+             ("decode, 8 sequences", 8, 1), ("verify 3 rows, 8 sequences", 8, 3)]
+    tiles = 1 in torch.ops.specstream.short_attention_paths()
+    for compare in ["torch"] + (["tiles"] if tiles else []):
+        what = "torch / specstream" if compare == "torch" else "vector path / AMX tiles"
+        print(f"\n| short_attention, 9 heads over 3 of 64, us ({what}) | context 256 | context 1024 |")
+        print("|---|---|---|")
+        for label, batch, run in steps:
+            cells = []
+            for context in (256, 1024):
+                table = torch.randperm(slots // block, generator=gen)[: batch * context // block].view(batch, -1)
+                kv_index = (table[:, :, None] * block + torch.arange(block)).view(batch, -1)
+                n_rows = batch * run
+                q_index = torch.arange(n_rows).view(batch, run)
+                out_index = torch.arange(n_rows)
+                positions = torch.arange(context)[None, :] <= (context - run + torch.arange(run))[:, None]
+                mask = None if batch == 1 and run == 1 else positions[None, None].expand(batch, 1, run, context).contiguous()
+                query = torch.randn(n_rows, 9, 64, generator=gen).bfloat16()
+                if compare == "torch":
+                    none = torch.empty(0, dtype=torch.long)
+                    step = (keys, values, none, query, keys[:0], values[:0], kv_index, mask, q_index, out_index, 0.125)
+                    fns = [partial(torch_version, *step), partial(attend_short, *step, kernel=True)]
+                else:
+                    step = (query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+                    fns = [partial(torch.ops.specstream.short_attention, *step, path) for path in (0, 1)]
+                t, o = best_of(fns, repeats)
+                cells.append(f"{t:.0f} / {o:.0f} ({t / o:.2f}x)")
+            print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
