@@ -623,6 +623,16 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       for (int64_t g = 0; g < kv_heads; ++g)
         for (int64_t q = 0; q < total; q += chunk) items.push_back({b, g, q, std::min(q + chunk, total)});
     }
+    // an item's queries, their masks (null: none) and their output rows
+    auto item_rows = [&](const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
+      for (int64_t q = it.first; q < it.last; ++q) {
+        const int64_t i = rows_of[it.b][q / group], h = it.g * group + q % group;
+        const int64_t t = oi_ptr[i] % t_max;
+        q_rows[q - it.first] = q_ptr + qi_ptr[it.b * t_max + t] * qs0 + h * qs1;
+        m_rows[q - it.first] = m_ptr ? m_ptr + it.b * ms0 + t * ms2 : nullptr;
+        o_rows[q - it.first] = o_ptr + (i * heads + h) * d;
+      }
+    };
     const int64_t s_pad = (s_max + kBlock - 1) / kBlock * kBlock;
 #if defined(SPECSTREAM_ATTENTION_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -635,13 +645,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             const T* q_rows[kTileChunk];
             const bool* m_rows[kTileChunk];
             T* o_rows[kTileChunk];
-            for (int64_t q = it.first; q < it.last; ++q) {
-              const int64_t i = rows_of[it.b][q / group], h = it.g * group + q % group;
-              const int64_t t = oi_ptr[i] % t_max;
-              q_rows[q - it.first] = q_ptr + qi_ptr[it.b * t_max + t] * qs0 + h * qs1;
-              m_rows[q - it.first] = m_ptr ? m_ptr + it.b * ms0 + t * ms2 : nullptr;
-              o_rows[q - it.first] = o_ptr + (i * heads + h) * d;
-            }
+            item_rows(it, q_rows, m_rows, o_rows);
             attend_tiles(q_rows, m_rows, o_rows, it.last - it.first, k_ptr + it.g * ks1, v_ptr + it.g * vs1, ks0, vs0,
                          keys.size(0), kv_ptr + it.b * s_max, ms3, s_max, scale, scratch);
           }
@@ -660,13 +664,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
         const T* q_rows[kChunk];
         const bool* m_rows[kChunk];
         T* o_rows[kChunk];
-        for (int64_t q = it.first; q < it.last; ++q) {
-          const int64_t i = rows_of[it.b][q / group], h = it.g * group + q % group;
-          const int64_t t = oi_ptr[i] % t_max;
-          q_rows[q - it.first] = q_ptr + qi_ptr[it.b * t_max + t] * qs0 + h * qs1;
-          m_rows[q - it.first] = m_ptr ? m_ptr + it.b * ms0 + t * ms2 : nullptr;
-          o_rows[q - it.first] = o_ptr + (i * heads + h) * d;
-        }
+        item_rows(it, q_rows, m_rows, o_rows);
         const T *k_base = k_ptr + it.g * ks1, *v_base = v_ptr + it.g * vs1;
         const int64_t* slots = kv_ptr + it.b * s_max;
         switch (it.last - it.first) {
