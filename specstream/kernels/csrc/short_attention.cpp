@@ -193,7 +193,6 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
                     const T* v_base, int64_t k_stride, int64_t v_stride, const int64_t* slots, int64_t m_stride,
                     int64_t s_max, float scale, float* scores, int64_t s_pad, float* kbuf, bool* seen_by) {
   constexpr int64_t V = 4, D = 64, nq = NQ;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   auto seen = [&](int64_t s) {
     for (int64_t j = 0; j < nq; ++j)
       if (!m_rows[j] || m_rows[j][s * m_stride]) return true;
