@@ -154,6 +154,19 @@ inline __m512 sum_each(const __m512* v) {
 
 constexpr int64_t kBlock = 16;  // keys scored together
 
+// A query's 64 output dimensions from sums over value pairs (two keys' values interleaved by unpacklo/unpackhi_epi16
+// on each 32-dimension half): part[2 h] holds dims 32 h + 8 L + i and part[2 h + 1] dims 32 h + 8 L + 4 + i, at lane
+// 4 L + i. Each rounded once to T.
+template <typename T>
+inline void store_pair_sums(const float* const (&part)[4], T* o_row) {
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t l = 0; l < 4; ++l)
+      for (int64_t i = 0; i < 4; ++i) {
+        o_row[32 * h + 8 * l + i] = static_cast<T>(part[2 * h][4 * l + i]);
+        o_row[32 * h + 8 * l + 4 + i] = static_cast<T>(part[2 * h + 1][4 * l + i]);
+      }
+}
+
 // A query's scores of the keys its mask hides (m_row: null hides none) set to -inf.
 inline void hide_masked(float* sc, const bool* m_row, int64_t m_stride, int64_t s_max) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -295,12 +308,7 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
     for (int64_t j = 0; j < nq; ++j) {
       alignas(64) float lanes[D];
       for (int64_t c = 0; c < V; ++c) _mm512_store_ps(lanes + c * 16, acc[j][c]);
-      for (int64_t h = 0; h < 2; ++h)
-        for (int64_t l = 0; l < 4; ++l)
-          for (int64_t i = 0; i < 4; ++i) {
-            o_rows[j][32 * h + 8 * l + i] = static_cast<T>(lanes[(2 * h) * 16 + 4 * l + i]);
-            o_rows[j][32 * h + 8 * l + 4 + i] = static_cast<T>(lanes[(2 * h + 1) * 16 + 4 * l + i]);
-          }
+      store_pair_sums<T>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_rows[j]);
     }
     return;
   }
@@ -329,8 +337,8 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
 // AMX-BF16 (bfloat16, d = 64): up to 16 queries of one sequence and one key/value head share each tile
 // multiply. Scores: per 16 keys, the keys (A: 16 x 32 values, twice for 64; read in place where their slots
 // run consecutively in the pool, else gathered) times the queries' value pairs (B, built once per item) give
-// the 16 keys' scores for every query (C), transposed to one row per query. The softmax is the vector path's,
-// row by row. Output: per 32 keys, the probabilities (A: queries x 32, bfloat16) times the keys' values
+// the 16 keys' scores for every query (C), transposed to one row per query. Each query's softmax follows (torch's
+// exp_u20, a lane-wise sum, the probabilities divided straight into bfloat16). Output: per 32 keys, the probabilities (A: queries x 32, bfloat16) times the keys' values
 // interleaved into pairs (B, 16 dimensions a tile) add into four tiles of 16 x 16 float32 sums (C). Each sum of a
 // tile is its row's and column's alone, so a query's result does not depend on the queries beside it; it differs
 // from the vector path's in the order of its float32 additions, so one CPU takes one path for every call (the
@@ -339,8 +347,8 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
 
 using specstream_kernels::amx_ready;
 
-// Tiles 0-7, each 16 rows x 64 bytes. Scores: 4, 5 B (query pairs, dims 0-31, 32-63), 6, 7 A (keys), 0 C. Output:
-// 0-3 C (dims 16 c ..), 4 A (probabilities), 5, 6, 7 B (value pairs).
+// Tiles 0-7, each 16 rows x 64 bytes. Scores: 4, 5 B (query pairs, dims 0-31, 32-63); two blocks in flight, 6, 7 A
+// (keys) into 0 C and 2, 3 A into 1 C. Output: 0-3 C, 4 A (probabilities), 5, 6, 7 B (value pairs).
 inline void configure_attention_tiles() {
   specstream_kernels::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -517,8 +525,8 @@ void attend_tiles(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + s), (__m256i)_mm512_cvtneps_pbh(p));
     }
   }
-  // Output, 32 keys at a time: C tile h2 (0-3) sums dims 32 (h2 / 2) + 8 L + 4 (h2 % 2) + i at column 4 L + i (the
-  // pairs' interleave); values of keys no query sees as zeros (their slots may hold anything; p = 0 times NaN).
+  // Output, 32 keys at a time into C tiles 0-3, column 4 L + i of tile c as store_pair_sums reads part[c]; values
+  // of keys no query sees as zeros (their slots may hold anything; p = 0 times NaN).
   const __m512i none = _mm512_setzero_si512();
   _tile_zero(0);
   _tile_zero(1);
@@ -566,12 +574,7 @@ void attend_tiles(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
   _tile_stored(2, out[2], 64);
   _tile_stored(3, out[3], 64);
   for (int64_t j = 0; j < nq; ++j)
-    for (int64_t h = 0; h < 2; ++h)
-      for (int64_t l = 0; l < 4; ++l)
-        for (int64_t i = 0; i < 4; ++i) {
-          o_rows[j][32 * h + 8 * l + i] = static_cast<c10::BFloat16>(out[2 * h][j * 16 + 4 * l + i]);
-          o_rows[j][32 * h + 8 * l + 4 + i] = static_cast<c10::BFloat16>(out[2 * h + 1][j * 16 + 4 * l + i]);
-        }
+    store_pair_sums<c10::BFloat16>({out[0] + j * 16, out[1] + j * 16, out[2] + j * 16, out[3] + j * 16}, o_rows[j]);
 }
 #endif
 
