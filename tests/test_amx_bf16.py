@@ -21,7 +21,7 @@ from specstream.kernels.weights import Int4Weights, Int8Blocks
 CPU = torch.device("cpu")
 VECTOR, AMX = 0, 1
 # Rows from which each kernel picks the tiles (kAmxMinRows in its source).
-Q4_AMX_MIN_ROWS, Q8_AMX_MIN_ROWS = 4, 5
+Q4_AMX_MIN_ROWS, Q8_AMX_MIN_ROWS = 2, 2
 
 
 def cpu_has(flag: str) -> bool:
@@ -87,7 +87,7 @@ def test_q8_tiles_multiply_by_the_files_weights_at_every_row_count(amx, n, k):
     dense = w.dequantize().double()
     eye = torch.eye(k, dtype=torch.bfloat16)
     assert torch.equal(q8(eye[:16], packed, AMX).t(), w.dequantize()[:, :16].bfloat16())
-    for rows in (1, 4, 5, 9, 16, 17, 40):
+    for rows in (1, 2, 3, 4, 5, 9, 16, 17, 40):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         tiles, vector = q8(x, packed, AMX), q8(x, packed, VECTOR)
         reference = (x.double() @ dense.t()).bfloat16()

@@ -50,9 +50,11 @@ constexpr int64_t kBlock = 32;  // inputs a row of x must come in multiples of; 
 // The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 5 rows of bfloat16 x; scalar without AVX-512),
 // 1 AMX-BF16 tiles (bfloat16 x, a scale per 32 inputs).
 constexpr int64_t kVector = 0, kAmx = 1;
-// AMX pays from this many rows of bfloat16 x, fewer take the vector path (timed on a 2-core Xeon with AMX, the bundled
-// model's LM head, 49152 x 576: AMX 0.66x the vector path at 1 row, even at 4, 4.4x at 9, 5.3x at 16).
-constexpr int64_t kAmxMinRows = 5;
+// AMX pays from this many rows of bfloat16 x, fewer take the vector path. Timed alone on a 2-core Xeon with AMX, the
+// bundled model's LM head, 49152 x 576: AMX 0.66x the vector path at 1 row, even at 4, 4.4x at 9, 5.3x at 16; in a
+// forward, where the other layers' weights have pushed it out of the cache, the tiles win from 2 rows (q4_linear.cpp's
+// kAmxMinRows says by how much).
+constexpr int64_t kAmxMinRows = 2;
 
 #if defined(CPU_CAPABILITY_AVX512)
 
