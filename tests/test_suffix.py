@@ -222,35 +222,6 @@ def test_auto_cuts_a_suffix_draft_where_its_rows_stop_paying():
     assert best_cut([0.95, 0.9, 0.4], cal.factor(), StepPrice(steep, alone))[0] < 1 / steep(1)  # plain decoding wins
 
 
-def test_auto_hints_a_suffix_draft_from_earlier_requests_at_its_own_chances():
-    """An earlier request's output that the sequence's latest tokens continue: the k policy is told the suffix
-    draft's chances (scaled by how well suffix chances predicted lately), so a sequence whose own record would
-    grant it nothing drafts it, and the step's propose drafts that same suffix draft."""
-    from specstream.spec_decode.auto import AutoProposer
-    from specstream.spec_decode.ngram import NgramProposer
-    from specstream.spec_decode.policy import KPolicy, sampling_bucket
-    from specstream.sequence import Acceptance, Sequence
-
-    earlier = list(range(300, 340))
-    suffix = SuffixProposer()
-    suffix.cache.add(None, earlier)
-    auto = AutoProposer(None, NgramProposer(1, 4), suffix=suffix, k_max=16)
-    seq = Sequence("s", [5, 6, 7] + earlier[:8], SamplingParams(temperature=0.7), 0)
-    seq.acceptance = Acceptance(0.0, 10.0)  # its own drafts were all rejected lately
-    hint = auto.draft_hint(seq)
-    assert hint == pytest.approx([1.0] * 8)  # one occurrence: every token's chance 1; no record: scaled by 1
-    cost = CostModel([1, 2, 9, 17], [0.010, 0.0105, 0.013, 0.020])
-    assert KPolicy(16, True, cost, lambda n: 0.0).choose([seq], 1, 32) == [0]  # the record alone: no draft
-    policy = KPolicy(16, True, cost, lambda n: 0.0, draft_hint=auto.draft_hint)
-    (k,) = policy.choose([seq], 1, 32)
-    assert k == 8
-    (draft,) = auto.propose([seq], [k])
-    assert draft.tokens == earlier[8:16] and draft.method == "suffix"
-    # Suffix chances that overstated acceptance lately (in this bucket) scale the hint down.
-    auto.shared.record("suffix", sampling_bucket(seq.params), 1.0, 30.0)
-    assert max(auto.draft_hint(seq)) < 0.2
-
-
 def test_the_forward_time_curve_follows_the_steps_the_engine_runs():
     cost = CostModel([1, 8, 16], [0.010, 0.020, 0.030])
     assert cost(8) == pytest.approx(0.020)

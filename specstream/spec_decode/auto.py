@@ -30,11 +30,9 @@ Where neither the suffix draft nor the head is picked, an n-gram match drafts ex
 "ngram": the k policy (policy.KPolicy) has already weighed drafting against plain decoding from the
 sequence's own acceptance, and charges auto's drafts no head step (the head's steps are priced here). So
 auto drafts at least what "ngram" does, and differs only where another method is expected to do better.
-Where the sequence's latest tokens match LONG_MATCH or more tokens earlier on (usually a copy), or continue
-text a suffix tree holds (this request's or earlier ones'), the k policy weighs the round at that draft's
-chances instead (draft_hint): what such matches were accepted lately across sequences, or the suffix draft's
-own chances scaled by how well they predicted lately, up to the draft's length, where they promise more
-than the sequence's own record, which mixes every method's rounds.
+Where the sequence's latest tokens match LONG_MATCH or more tokens earlier on (usually a copy), the k
+policy weighs a greedy request's round at what such matches were accepted lately across sequences instead
+(draft_hint), up to the match's length: a sequence's own record mixes every method's rounds.
 
 Suffix decoding (suffix.py) drafts with an estimated chance for each token (how often the matched text
 went on that way before: the chance that the token is reached and accepted). Its round is priced from
@@ -126,9 +124,8 @@ class AutoProposer(Proposer):
     ) -> None:
         self.head = head
         self.k_max = k_max
-        # draft_hint's n-gram match and suffix draft of each sequence this step, by request: (tokens then,
-        # the match, its n, the suffix draft)
-        self._matches: dict[str, tuple[int, list[int], int, Draft]] = {}
+        # draft_hint's n-gram match of each sequence this step, by request: (tokens then, the match, its n)
+        self._matches: dict[str, tuple[int, list[int], int]] = {}
         self._hint_seconds = 0.0
         self.ngram = ngram
         self.suffix = suffix
@@ -183,31 +180,21 @@ class AutoProposer(Proposer):
         if self.head is not None:
             self.head.observe(seq, start, features)
 
-    def draft_hint(self, seq: Sequence) -> list[float] | None:
-        """What auto knows of the drafts it has for seq now, where a sequence's own record (which mixes every
-        method's rounds) would grant them fewer drafts than they go on being accepted for:
-        - a long n-gram match (LONG_MATCH tokens or more), usually a copy of the prompt or of earlier output:
-          each draft's chance is what such matches were accepted lately across sequences (by match length and
-          sampling bucket);
-        - a suffix draft: its own chances (how often the matched text went on that way, in this request and
-          in earlier ones), scaled by how well they have predicted lately.
-        The one expected to yield more; both are kept for this step's propose."""
+    def draft_hint(self, seq: Sequence) -> tuple[float, int] | None:
+        """A long n-gram match (LONG_MATCH tokens or more) is usually a copy of the prompt or of earlier
+        output: its acceptance is what such matches were accepted lately across sequences (by match length
+        and sampling bucket), not the sequence's own record, which mixes every method's rounds and so grants
+        a long match fewer drafts than it goes on being accepted for. Greedy requests only: sampled requests'
+        longer drafts measured slower (README). The match is kept for this step's propose."""
+        if not seq.params.greedy:
+            return None
         started = time.perf_counter()
         tokens, n = self.ngram.match(seq.token_ids, self.k_max)
-        suffix = self.suffix.draft(seq, self.k_max) if self.suffix is not None else Draft([])
-        self._matches[seq.request_id] = (len(seq.token_ids), tokens, n, suffix)
-        bucket = sampling_bucket(seq.params)
-        hints = []
-        if n >= LONG_MATCH and len(tokens) >= 2:
-            a = self._ngram_prior(n, bucket)[1]
-            hints.append([a**j for j in range(1, len(tokens) + 1)])
-        if suffix.tokens:
-            choice = self._seqs.get(seq.request_id)
-            start = self.shared.prior("suffix", bucket, 1.0)
-            factor = choice.suffix.factor(start=start) if choice is not None else start
-            hints.append([min(factor * c, 1.0) for c in suffix.chances])
+        self._matches[seq.request_id] = (len(seq.token_ids), tokens, n)
         self._hint_seconds += time.perf_counter() - started
-        return max(hints, key=sum) if hints else None
+        if n < LONG_MATCH or len(tokens) < 2:
+            return None
+        return self._ngram_prior(n, sampling_bucket(seq.params))[1], len(tokens)
 
     def _ngram_prior(self, n: int, bucket: str) -> tuple[str, float]:
         """The shared record's kind for an n-gram match of n tokens, and what such matches were accepted lately
@@ -215,13 +202,12 @@ class AutoProposer(Proposer):
         kind = f"ngram{min(n, 4)}"
         return kind, self.shared.prior(kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
 
-    def _match(self, seq: Sequence, k: int) -> tuple[list[int], int, Draft]:
-        """seq's n-gram match and suffix draft, up to k tokens: draft_hint's of this step where it ran."""
+    def _match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """seq's n-gram match, up to k tokens: draft_hint's of this step where it ran."""
         held = self._matches.pop(seq.request_id, None)
         if held is not None and held[0] == len(seq.token_ids):
-            return held[1][:k], held[2], held[3].cut(k)
-        suffix = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
-        return *self.ngram.match(seq.token_ids, k), suffix
+            return held[1][:k], held[2]
+        return self.ngram.match(seq.token_ids, k)
 
     def release(self, seq: Sequence) -> None:
         self._matches.pop(seq.request_id, None)
@@ -262,7 +248,7 @@ class AutoProposer(Proposer):
                     continue
                 choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance(), Acceptance()))
                 bucket = sampling_bucket(seq.params)
-                tokens, n, suffix_draft = self._match(seq, k)
+                tokens, n = self._match(seq, k)
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
@@ -270,6 +256,7 @@ class AutoProposer(Proposer):
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
+                suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
                 factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
                 suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
                 if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):

@@ -210,13 +210,12 @@ class KPolicy:
         target_cost: CostModel | None,
         draft_pass_cost: Callable[[int], float],
         lookup_cost: Callable[[], float] = lambda: 0.0,
-        draft_hint: Callable[[Drafting], list[float] | None] = lambda seq: None,
+        draft_hint: Callable[[Drafting], tuple[float, int] | None] = lambda seq: None,
     ) -> None:
         """draft_pass_cost(n): a drafter's pass over n sequences; lookup_cost(): what each sequence let draft
         costs the proposer besides (Proposer.lookup_cost); draft_hint(seq): the proposer's own knowledge of
-        the draft it has for seq now (Proposer.draft_hint: each draft's chance to be reached and accepted):
-        where those sum to more than the sequence's record expects of as many drafts, seq's drafts are granted
-        at those chances, up to the draft's length."""
+        the draft it has for seq now (Proposer.draft_hint): where its acceptance is above the sequence's
+        record, seq's drafts are granted at that acceptance, up to the draft's length."""
         self.k_max = k_max
         self.adaptive = adaptive and target_cost is not None
         self.target_cost = target_cost
@@ -249,18 +248,16 @@ class KPolicy:
                 left -= ks[-1]
             return ks
         alphas = [self.estimate(s) for s in seqs]
-        hints: list[list[float] | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
             hint = self.draft_hint(seq) if caps[i] > 0 else None
-            if hint and sum(hint) > expected_tokens(alphas[i], len(hint)) - 1.0:
-                hints[i], caps[i] = hint, min(caps[i], len(hint))
+            if hint is not None and hint[0] > alphas[i]:
+                alphas[i], caps[i] = hint[0], min(caps[i], hint[1])
         lookup = self.lookup_cost()
         ks = [0] * len(seqs)
         step = StepYield(float(len(seqs)), self.target_cost(base_tokens))
         tokens, drafting, max_k = base_tokens, 0, 0
         # Max-heap of each sequence's gain from one more draft.
-        heap = [(-(h[0] if h else a), i) for i, (a, h) in enumerate(zip(alphas, hints)) if caps[i] > 0]
-        heap = [entry for entry in heap if entry[0] < 0]
+        heap = [(-a, i) for i, a in enumerate(alphas) if a > 0 and caps[i] > 0]
         heapq.heapify(heap)
         while heap and budget > 0:
             neg_gain, i = heapq.heappop(heap)
@@ -276,7 +273,7 @@ class KPolicy:
             budget -= 1
             drafting, max_k = new_drafting, new_max_k
             if ks[i] < caps[i]:
-                heapq.heappush(heap, (-hints[i][ks[i]] if hints[i] else neg_gain * alphas[i], i))
+                heapq.heappush(heap, (neg_gain * alphas[i], i))
         return ks
 
 

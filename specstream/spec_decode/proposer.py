@@ -150,11 +150,10 @@ class Proposer:
         """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
         return 0.0
 
-    def draft_hint(self, seq: Sequence) -> list[float] | None:
-        """Before the k policy grants seq its k: the chance that each token of the draft this proposer has for
-        seq now is reached and accepted, where it knows better than the sequence's own record (auto: a long
-        n-gram match, usually a copy; a suffix draft's own chances); None: no better knowledge, the record
-        decides."""
+    def draft_hint(self, seq: Sequence) -> tuple[float, int] | None:
+        """Before the k policy grants seq its k: (the acceptance of the draft this proposer has for seq now,
+        how many tokens that draft holds), where it knows better than the sequence's own record (auto: a long
+        n-gram match, usually a copy); None: no better knowledge, the record decides."""
         return None
 
     def lookup_cost(self) -> float:
