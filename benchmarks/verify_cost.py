@@ -6,6 +6,7 @@ one-row step's.
 
     .venv/bin/python benchmarks/verify_cost.py
     .venv/bin/python benchmarks/verify_cost.py --rows 1 2 4 8 16 32 --repeats 40
+    .venv/bin/python benchmarks/verify_cost.py --rows 1 2 3 4 5 6 8 12 16 --context 512
 """
 
 from __future__ import annotations
@@ -28,18 +29,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--context", type=int, default=CONTEXT, help=f"tokens already cached (default: the curve's, {CONTEXT})")
     args = p.parse_args()
+    if args.context < 1:
+        raise SystemExit("--context must be at least 1")
+    context = args.context
     engine = Engine(EngineConfig(speculative=SpeculativeConfig(method="off")), log=False)
     engine.upgrade(wait=True)
     runner, times = engine.runner, {}
-    with throwaway_tables(runner.pool, 1, CONTEXT + max(args.rows)) as tables:
+    with throwaway_tables(runner.pool, 1, context + max(args.rows)) as tables:
+        if not tables:
+            raise SystemExit(f"the KV pool cannot hold {context + max(args.rows)} positions; lower --context")
         table = tables[0]
-        runner.forward([ForwardItem(table, 0, [5] * CONTEXT, 1)])
+        runner.forward([ForwardItem(table, 0, [5] * context, 1)])
         for _ in range(args.repeats):
             for n in args.rows:
                 for keep in (1, n):
                     start = time.perf_counter()
-                    runner.forward([ForwardItem(table, CONTEXT, [7] * n, keep)])
+                    runner.forward([ForwardItem(table, context, [7] * n, keep)])
                     times.setdefault((n, keep), []).append(time.perf_counter() - start)
     one = statistics.median(times[args.rows[0], args.rows[0]])
     print(f"| rows | one row's logits, ms (x a {args.rows[0]}-row step) | every row's logits, ms (x) |")
@@ -47,7 +54,7 @@ def main() -> None:
     for n in args.rows:
         a, b = statistics.median(times[n, 1]), statistics.median(times[n, n])
         print(f"| {n} | {a * 1e3:.2f} ({a / one:.2f}x) | {b * 1e3:.2f} ({b / one:.2f}x) |")
-    print(f"\n{CONTEXT} tokens of context, {args.repeats} alternations; {engine.forward_description}\nCPU: {cpu_name()}")
+    print(f"\n{context} tokens of context, {args.repeats} alternations; {engine.forward_description}\nCPU: {cpu_name()}")
 
 
 if __name__ == "__main__":
