@@ -46,7 +46,7 @@ constexpr int64_t kVector = 0, kAmx = 1;
 // the bundled model's layer shapes (a weight called again and again, so read from the cache): AMX 0.74-0.75x the
 // vector path at 1 row, 0.85-0.97x at 2, 1.6-1.8x at 4, 1.9-2.2x at 9, 2.3-2.7x at 16. In a forward every weight
 // comes from memory, and there the tiles win from 2 rows: the bundled model's forward over 512 positions took
-// 13.4 / 13.8 / 14.2 ms at 2 / 3 / 4 rows with the tiles from 2 rows (this and q8_linear's LM head), 14.0 / 19.0 / 15.8
+// 13.3 / 13.8 / 14.2 ms at 2 / 3 / 4 rows with the tiles from 2 rows (this and q8_linear's LM head), 14.0 / 19.0 / 15.8
 // with them from 4 (5 for the LM head); a 1-row decode was no faster on them.
 constexpr int64_t kAmxMinRows = 2;
 
