@@ -1,7 +1,8 @@
 """Forward time of the lean forward per quantization mode, side by side in one process (ABBA order),
 at the step shapes that matter: a decode step (1 row), a verification (9 or 16 rows), a batch of 8 decodes
-(8 rows), a prefill chunk (256 rows), each over a 256-token context. As the engine packs them, decode and
-verification rows all take logits (the LM head runs at every row), a prefill chunk at its last row only.
+(8 rows), a prefill chunk (256 rows), each over a 256-token context (--context). As the engine packs them,
+decode and verification rows all take logits (the LM head runs at every row), a prefill chunk at its last row
+only.
 
     python benchmarks/quant_forward.py                         # bf16, modes none auto int4 (eager)
     python benchmarks/quant_forward.py --modes none auto --repeats 20
@@ -9,6 +10,7 @@ verification rows all take logits (the LM head runs at every row), a prefill chu
     python benchmarks/quant_forward.py --modes auto+compile+layers auto+compile   # a call per layer vs per step
     python benchmarks/quant_forward.py --modes auto+compile+torchops auto+compile   # torch's kernels vs
                                                                                    # specstream's CPU kernels
+    python benchmarks/quant_forward.py --modes auto+compile --context 1024   # the steps over a longer cache
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ SHAPES = {
 }
 
 
+def set_context(tokens: int) -> None:
+    """The tokens every step's sequences hold in their caches before the step."""
+    global CONTEXT
+    CONTEXT = tokens
+
+
 def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
     """A step's items as the engine packs them: logits at every row of a decode or verification (each draft is
     checked), at the last row of a prefill chunk."""
@@ -48,7 +56,11 @@ def main() -> None:
                          "+torchops: torch's kernels only (int4 weights, attention), not specstream's CPU kernels")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--context", type=int, default=CONTEXT, help="tokens already in every sequence's cache")
     args = ap.parse_args()
+    if not 1 <= args.context <= 2048:  # 8 sequences of it fit the default KV pool
+        raise SystemExit("--context must be between 1 and 2048")
+    set_context(args.context)
     engines = {}
     for mode in args.modes:
         quantization, *options = mode.split("+")
