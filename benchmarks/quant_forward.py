@@ -36,16 +36,10 @@ SHAPES = {
 }
 
 
-def set_context(tokens: int) -> None:
-    """The tokens every step's sequences hold in their caches before the step."""
-    global CONTEXT
-    CONTEXT = tokens
-
-
-def items_for(rows: list[int], tables: list[list[int]]) -> list[ForwardItem]:
-    """A step's items as the engine packs them: logits at every row of a decode or verification (each draft is
-    checked), at the last row of a prefill chunk."""
-    return [ForwardItem(t, CONTEXT, [7] * n, 1 if n >= 256 else n) for t, n in zip(tables, rows)]
+def items_for(rows: list[int], tables: list[list[int]], context: int = CONTEXT) -> list[ForwardItem]:
+    """A step's items as the engine packs them, each after `context` cached tokens: logits at every row of a
+    decode or verification (each draft is checked), at the last row of a prefill chunk."""
+    return [ForwardItem(t, context, [7] * n, 1 if n >= 256 else n) for t, n in zip(tables, rows)]
 
 
 def main() -> None:
@@ -60,7 +54,6 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.context <= 2048:  # 8 sequences of it fit the default KV pool
         raise SystemExit("--context must be between 1 and 2048")
-    set_context(args.context)
     engines = {}
     for mode in args.modes:
         quantization, *options = mode.split("+")
@@ -76,15 +69,15 @@ def main() -> None:
         tables[mode] = []
         for _ in range(8):
             table: list[int] = []
-            engine.pool.reserve(table, CONTEXT + 256)
-            engine.runner.forward([ForwardItem(table, 0, [7] * CONTEXT, 1)])
+            engine.pool.reserve(table, args.context + 256)
+            engine.runner.forward([ForwardItem(table, 0, [7] * args.context, 1)])
             tables[mode].append(table)
     best = {(m, s): float("inf") for m in engines for s in SHAPES}
     order = list(engines)
     for r in range(args.repeats):
         for mode in order if r % 2 == 0 else order[::-1]:
             for shape, rows in SHAPES.items():
-                items = items_for(rows, tables[mode])
+                items = items_for(rows, tables[mode], args.context)
                 start = time.perf_counter()
                 engines[mode].runner.forward(items)
                 best[mode, shape] = min(best[mode, shape], time.perf_counter() - start)
