@@ -30,6 +30,7 @@ import torch
 
 from specstream.cache import cache_dir, load_json, processor_name, save_json
 from specstream.memory.kv import KVPool
+from specstream.model.fast_llama import COMPILED_MAX_RUN
 from specstream.model.loader import ModelSource, converted_source
 from specstream.model.runner import ForwardItem, ModelRunner
 
@@ -220,9 +221,11 @@ def plan(max_batched_tokens: int, capacity: int, compiled: int = 0) -> tuple[lis
 
 
 def compiled_rows(runner: ModelRunner) -> int:
-    """The most rows a step may have and run compiled in runner's forward as it serves now (0: none)."""
+    """The most rows one sequence's step (what time_steps times) may have and run compiled in runner's forward as it
+    serves now (0: none): the compiled steps' rows, at most their longest run per sequence (a step of several
+    sequences may hold more rows and run compiled; the steps the engine runs teach the curve those prices)."""
     fast = getattr(runner, "fast", None)
-    return fast.compiled_rows if fast is not None and fast.steps is not None else 0
+    return min(fast.compiled_rows, COMPILED_MAX_RUN) if fast is not None and fast.steps is not None else 0
 
 
 def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:

@@ -293,6 +293,7 @@ def test_a_timing_kept_on_another_cpu_is_never_read(default_model_source, monkey
     import torch
 
     from specstream import calibration
+    from specstream.model import fast_llama
 
     converted = calibration.converted_source(default_model_source)
     here = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
@@ -339,6 +340,7 @@ def test_the_forward_curve_is_timed_on_both_sides_of_the_compiled_steps_limit():
     from types import SimpleNamespace
 
     from specstream import calibration
+    from specstream.model import fast_llama
 
     sizes, _ = calibration.plan(512, 100_000, compiled=16)
     assert {16, 17, 24} <= set(sizes) and sizes == sorted(sizes)
@@ -348,3 +350,7 @@ def test_the_forward_curve_is_timed_on_both_sides_of_the_compiled_steps_limit():
     compiled = SimpleNamespace(fast=SimpleNamespace(compiled_rows=16, steps=object()))
     assert calibration.compiled_rows(eager) == 0 and calibration.compiled_rows(compiled) == 16
     assert calibration.compiled_rows(SimpleNamespace(fast=None)) == 0  # a model on transformers' modules
+    # steps of several sequences run compiled up to 32 rows here, but one sequence's (what the curve times) up to
+    # its longest compiled run: the jump is timed where one sequence meets it
+    wide = SimpleNamespace(fast=SimpleNamespace(compiled_rows=32, steps=object()))
+    assert calibration.compiled_rows(wide) == fast_llama.COMPILED_MAX_RUN == 16
