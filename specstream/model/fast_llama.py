@@ -63,8 +63,8 @@ def _widened(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer (fewer where a
 # projection's route sends more rows to its dense copy: CompiledSteps.rows). Steps of 17-64 rows are batches of
-# verifications (8 streams with 2 drafts each: 24 rows), and compiled they ran 1.12-1.16x faster than eager on a
-# 2-core Xeon with AMX (17-32 rows; README, "Steps of more than 16 rows").
+# verifications (8 streams with 2 drafts each: 24 rows), which run faster compiled than eager (README, "Steps of
+# more than 16 rows now compiled").
 COMPILED_MAX_RUN = 16
 COMPILED_MAX_ROWS = 64
 # A short step runs every layer in one compiled call (compile's whole_steps): each call of a compiled function
