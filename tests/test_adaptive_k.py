@@ -293,7 +293,6 @@ def test_a_timing_kept_on_another_cpu_is_never_read(default_model_source, monkey
     import torch
 
     from specstream import calibration
-    from specstream.model import fast_llama
 
     converted = calibration.converted_source(default_model_source)
     here = calibration.cache_file("forward", converted, torch.bfloat16, torch.device("cpu"), ["dense"])
