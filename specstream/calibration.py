@@ -42,11 +42,10 @@ TOLERANCE = 0.15
 # Cached tokens the forward-time curve is timed over.
 CONTEXT = 64
 # How the curve is timed, in its kept file's key: a curve kept by an earlier way of timing is timed again
-# ("sweeps": each repeat sweeps every size, CostModel.measure. Four curves kept on one machine by timing one
-# size's repeats back to back priced a second row at 1.13-1.31x a one-token step, where sweeps found
-# 1.04-1.11x and the two steps timed alternately 15 times 1.03-1.14x. "every row's logits": steps are timed
-# as verifications, time_steps.)
-TIMING = "sweeps, every row's logits"
+# ("sweeps": each repeat sweeps every size, CostModel.measure; "largest first": each size right after the next
+# larger one, not the one-token step right after the largest, which it then paid for; "every row's logits":
+# steps are timed as verifications, time_steps. The README has the figures.)
+TIMING = "sweeps largest first, every row's logits"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # A curve that prices a step of two tokens above SUSPECT_RATIO times a one-token step is suspect: a busy
 # spell while it was timed may have priced its small sizes high, and then no draft pays (a fresh sequence's
@@ -161,13 +160,18 @@ class CostModel:
         slows one repeat of several sizes, not every repeat of one size. (Run back to back, one spell
         could price every repeat of the 2-token step high: above 1.5x a one-token step, a first draft
         expected to be accepted half the time never pays, and a one-stream server that stops drafting never
-        runs the steps that would show the curve its error.)"""
-        run(sizes[0])  # warm-up
+        runs the steps that would show the curve its error.) Each sweep runs the sizes largest first, so that
+        every step follows one of about its own size, as a server's steps do: a small step right after a much
+        larger one runs slower for a few steps (seen on a Xeon with a large shared cache), and a curve timed
+        smallest first priced the one-token step high and every draft row below what it adds in a steady
+        run (README: "Steps timed as a server runs them")."""
+        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+        run(sizes[order[0]])  # warm-up
         times = [math.inf] * len(sizes)
         for _ in range(repeats):
-            for i, n in enumerate(sizes):
+            for i in order:
                 start = time.perf_counter()
-                run(n)
+                run(sizes[i])
                 times[i] = min(times[i], time.perf_counter() - start)
         return cls(sizes, times)
 

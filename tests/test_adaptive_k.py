@@ -37,8 +37,25 @@ def test_a_busy_spell_while_timing_does_not_price_one_step_size_high(monkeypatch
 
     monkeypatch.setattr("specstream.calibration.time.perf_counter", lambda: clock[0])
     cost = CostModel.measure(run, [1, 2, 4], repeats=3)
-    assert calls == [1] + [1, 2, 4] * 3  # a warm-up, then whole sweeps
+    assert calls == [4] + [4, 2, 1] * 3  # a warm-up, then whole sweeps, largest first
     assert cost.seconds == pytest.approx([0.011, 0.012, 0.014])
+
+
+def test_each_size_is_timed_after_one_of_about_its_size(monkeypatch):
+    """A small step right after a much larger one runs slow (the caches hold the larger step's data): timed
+    smallest first, the one-token step would follow the largest and be priced high, and each draft row low. The
+    sweep runs largest first, so every size follows the next larger one and is timed as a steady run has it."""
+    calls: list[int] = []
+    clock = [0.0]
+
+    def run(n: int) -> None:
+        after_larger = bool(calls) and calls[-1] > 2 * n
+        calls.append(n)
+        clock[0] += 0.010 + 0.001 * n + (0.004 if after_larger else 0.0)
+
+    monkeypatch.setattr("specstream.calibration.time.perf_counter", lambda: clock[0])
+    cost = CostModel.measure(run, [1, 2, 4, 8], repeats=2)  # sizes at most twice apart, as calibration.plan's
+    assert cost.seconds == pytest.approx([0.011, 0.012, 0.014, 0.018])
 
 
 def test_steps_are_timed_as_verifications_with_every_rows_logits(tiny_model_dir):
@@ -52,7 +69,7 @@ def test_steps_are_timed_as_verifications_with_every_rows_logits(tiny_model_dir)
     engine.runner.forward = lambda items, *a: fed.extend((len(i.tokens), i.num_logits) for i in items) or forward(items, *a)
     assert calibration.time_steps(engine.runner, [1, 2, 8], 16, repeats=1) is not None
     assert fed[0] == (16, 1)  # the context, a prefill
-    assert fed[1:] == [(1, 1), (1, 1), (2, 2), (8, 8)]  # a warm-up, then each size with all its logits
+    assert fed[1:] == [(8, 8), (8, 8), (2, 2), (1, 1)]  # a warm-up, then each size with all its logits
 
 
 def test_a_suspect_curve_keeps_each_sizes_faster_time():
