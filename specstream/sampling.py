@@ -268,7 +268,7 @@ def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) ->
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling, one uniform per row: [R, V] probabilities (unnormalized ok), [R]."""
-    cdf = probs.double().cumsum(-1)
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # each value widened as it is added: no float64 copy
     target = uniforms.double() * cdf[:, -1]
     # right=True skips zero-probability tokens when the target lands on a boundary.
     idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)

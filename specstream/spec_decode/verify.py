@@ -260,12 +260,11 @@ def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[lis
 
 
 def _verify_one_hot(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i."""
-    choices = []
-    for r, p in zip(rounds, probs):
-        us = _uniforms(r.seq, p.shape[0], STREAM_SAMPLE, p.device)
-        choices.append(sample_from(p, us))
-    return _match(rounds, choices)
+    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i. The step's rows
+    are drawn in one call, not one per sequence (each row's draw is its own: the same token either way)."""
+    sizes = [p.shape[0] for p in probs]
+    us = torch.cat([_uniforms(r.seq, n, STREAM_SAMPLE, p.device) for r, n, p in zip(rounds, sizes, probs)])
+    return _match(rounds, list(sample_from(torch.cat(probs), us).split(sizes)))
 
 
 def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
