@@ -21,6 +21,17 @@ KEPT_TEST_CACHE = os.environ.get("SPECSTREAM_TEST_CACHE_DIR")
 TEST_CACHE = Path(KEPT_TEST_CACHE or tempfile.mkdtemp(prefix="specstream-test-cache-"))
 os.environ["SPECSTREAM_CACHE_DIR"] = str(TEST_CACHE)
 
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts torch's global generator from the same seed: random rows a tolerance is checked on are the
+    same whatever ran before, so no test passes or fails by the order the tests ran in (one did, at k=576 in
+    test_quant, before this)."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 # Skips that mean a real component is missing on this machine (setup installs each where it can).
 # Under CI=true such a skip fails the run: a green CI must have run the kernel, replica and browser tests.
 COMPONENT_SKIPS = ("g++", "nginx", "chromium", "selenium", "kernels did not build", "libgomp", "checkov")
