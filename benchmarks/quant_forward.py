@@ -5,8 +5,8 @@ decode and verification rows all take logits (the LM head runs at every row), a 
 only. Each shape runs --lead-in untimed steps (default 8), then --timed timed ones, one after another, as a
 server decoding or verifying steadily runs them; the table gives each shape's median step and the ratios of
 the medians (the fastest step in brackets). A step right after another shape's is slower than in a steady run:
-on a 2-core Xeon with AMX a decode step took 8.8-9.4 ms right after a 256-row prefill chunk and about 6.5 ms
-from the fifth decode step on.
+on a 2-core Xeon with AMX a decode step took 8.8-8.9 ms right after a 256-row prefill chunk and 6.3-7.6 ms
+from the sixth decode step on.
 
     python benchmarks/quant_forward.py                         # bf16, modes none auto int4 (eager)
     python benchmarks/quant_forward.py --modes none auto --repeats 20
