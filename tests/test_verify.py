@@ -108,3 +108,46 @@ def test_one_hot_proposal_by_matching_samples_emits_target_distribution():
     num_accepted, nxt = accept_by_match(ys, torch.full((n, 1), 2), torch.full((n,), 1))
     first = torch.where(num_accepted > 0, torch.full_like(nxt, 2), nxt)
     within_bounds(first, p[0])
+
+
+def test_one_hot_rounds_draw_the_rows_their_walk_reaches_and_the_same_tokens_as_every_row_at_once(monkeypatch):
+    """A sampled one-hot round draws row i + 1 only once draft i is accepted: depth by depth, the rounds still
+    matching draw together. Each draw is the one a draw of all the round's rows at once makes (the same
+    distribution and the same uniform), so the emitted tokens are those; and the rows computed are the rows
+    reached, one per round and accepted draft."""
+    import specstream.spec_decode.verify as verify
+    from specstream.sampling import STREAM_SAMPLE, SamplingParams, probabilities_for, uniform
+    from specstream.sequence import Sequence
+    from specstream.spec_decode.proposer import Draft
+
+    computed = []
+
+    def counting(rows, params):
+        computed.append(rows.shape[0])
+        return probabilities_for(rows, params)
+
+    monkeypatch.setattr(verify, "probabilities_for", counting)
+    g = torch.Generator().manual_seed(11)
+    vocab = 12
+    for trial in range(40):
+        rounds = []
+        for j in range(5):
+            params = SamplingParams(temperature=[0.3, 0.7, 1.0][j % 3], top_p=0.9 if j == 4 else 1.0, seed=100 * trial + j)
+            seq = Sequence(f"r{j}", [1, 2, 3], params, 0, seed=100 * trial + j)
+            seq.token_ids += [4] * j
+            k = int(torch.randint(0, 5, (1,), generator=g))
+            logits = torch.randn(k + 1, vocab, generator=g) * 3
+            # Drafts that are often the likeliest token, so that walks go deep.
+            tokens = [int(logits[i].argmax()) if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, vocab, (1,), generator=g)) for i in range(k)]
+            rounds.append(verify.Round(seq, Draft(tokens), logits))
+        computed.clear()
+        results = verify.verify_round(rounds)
+        for r, res in zip(rounds, results):
+            probs = probabilities_for(r.logits, [r.seq.params] * (r.k + 1))
+            us = torch.tensor([uniform(r.seq.seed, r.seq.num_output_tokens + i, STREAM_SAMPLE) for i in range(r.k + 1)], dtype=torch.float64)
+            every_row = sample_from(probs, us).tolist()
+            n = 0
+            while n < r.k and every_row[n] == r.draft.tokens[n]:
+                n += 1
+            assert (res.num_accepted, res.tokens) == (n, r.draft.tokens[:n] + [every_row[n]])
+        assert sum(computed) == sum(res.num_accepted + 1 for res in results)

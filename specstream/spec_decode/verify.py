@@ -132,9 +132,12 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
     trees = {i for i, r in enumerate(rounds) if r.draft.is_tree}
     greedy = [i for i, r in enumerate(rounds) if r.seq.params.greedy and i not in trees]
     sampled = [i for i, r in enumerate(rounds) if not r.seq.params.greedy]
-    probs = dict(zip(sampled, _probabilities([rounds[i] for i in sampled], [logits[i] for i in sampled])))
     with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k and i not in trees]
     one_hot = [i for i in sampled if i not in with_q and i not in trees]
+    # The sampled trees and the rounds with q read every row's distribution; one-hot rounds compute theirs row by
+    # row as their walk reaches it (_verify_one_hot).
+    whole = [i for i in sampled if i not in one_hot]
+    probs = dict(zip(whole, _probabilities([rounds[i] for i in whole], [logits[i] for i in whole])))
     results: list[RoundResult | None] = [None] * len(rounds)
     for i in sorted(trees):
         r = rounds[i]
@@ -144,7 +147,7 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
             results[i] = _verify_tree_with_q(r, probs[i])
     for idx, verify, inputs in (
         (greedy, _verify_greedy, logits),
-        (one_hot, _verify_one_hot, probs),
+        (one_hot, _verify_one_hot, logits),
         (with_q, _verify_with_q, probs),
     ):
         if idx:
@@ -259,12 +262,33 @@ def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[lis
     return _match(rounds, [x.argmax(-1) for x in logits])
 
 
-def _verify_one_hot(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i. The step's rows
-    are drawn in one call, not one per sequence (each row's draw is its own: the same token either way)."""
-    sizes = [p.shape[0] for p in probs]
-    us = torch.cat([_uniforms(r.seq, n, STREAM_SAMPLE, p.device) for r, n, p in zip(rounds, sizes, probs)])
-    return _match(rounds, list(sample_from(torch.cat(probs), us).split(sizes)))
+def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Draw y_i ~ p_i with the uniform of the output position it decides, accept while y_i == d_i.
+
+    Only the rows the walk reaches are drawn: depth by depth, every round still matching draws its row at that
+    depth, all of them in one call (each row's draw is its own: the same token as a draw of every row at once, or
+    of that row alone, as plain decoding draws it). A round whose first draft is rejected computes one row's
+    distribution, not k + 1 (at T=0.7 most rounds end within a draft or two)."""
+    accepted, following = [0] * len(rounds), [0] * len(rounds)
+    live, depth = list(range(len(rounds))), 0
+    while live:
+        rows = torch.stack([logits[i][depth] for i in live])
+        probs = probabilities_for(rows, [rounds[i].seq.params for i in live])
+        us = torch.tensor(
+            [uniform(rounds[i].seq.seed, rounds[i].seq.num_output_tokens + depth, STREAM_SAMPLE) for i in live],
+            dtype=torch.float64,
+            device=rows.device,
+        )
+        going = []
+        for i, y in zip(live, sample_from(probs, us).tolist()):
+            draft = rounds[i].draft.tokens
+            if depth < len(draft) and y == draft[depth]:
+                accepted[i] += 1
+                going.append(i)
+            else:
+                following[i] = y
+        live, depth = going, depth + 1
+    return accepted, following
 
 
 def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
