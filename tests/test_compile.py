@@ -362,3 +362,20 @@ def test_a_truncated_inductor_cache_never_crashes_nor_changes_the_tokens(tiny_mo
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     shutil.rmtree(tmp_path / "compiled")
     assert run() == first
+
+
+def test_kept_functions_check_the_steps_own_tensors_not_the_layers_they_are_keyed_by():
+    """saveable_guards drops the guards on the layers' arguments (weights, pools, kernel tuples: in the kept
+    file's key) and keeps those on the step's own tensors and sizes, and every guard it cannot save is dropped."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.guards import CheckFunctionManager
+
+    def guard(kind, name, derived=()):
+        return SimpleNamespace(guard_type=kind, name=name, derived_guard_types=derived)
+
+    layers = [guard(kind, f"layers[3][2][{i}]") for i, kind in enumerate(kept_steps._LAYER_GUARDS)]
+    own = [guard("TENSOR_MATCH", "x"), guard("TENSOR_MATCH", "kv_index"), guard("SEQUENCE_LENGTH", "layers"),
+           guard("CONSTANT_MATCH", "self.heads"), guard("SHAPE_ENV", "", ("SHAPE_ENV",))]
+    unsaved = [guard(kind, "x") for kind in sorted(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)]
+    assert kept_steps.saveable_guards(layers + own + unsaved) == [False] * len(layers) + [True] * len(own) + [False] * len(unsaved)

@@ -44,22 +44,27 @@ def prune(directory: Path) -> None:
             pass
 
 
+# The guards on the layers' arguments that saveable_guards drops (see there).
+_LAYER_GUARDS = ("TENSOR_MATCH", "SEQUENCE_LENGTH", "CONSTANT_MATCH")
+
+
 def saveable_guards(guards) -> list[bool]:
     """Guards a compiled function kept on disk can carry: those on object identity (ID_MATCH and the
     like) cannot be saved. What they protect (this module's code, the functions it calls) is in the
     file's key instead (fast_llama._kept_key); shapes, dtypes and constants stay guarded.
 
-    The per-tensor guards on the layers' weights and pool tensors are dropped too: a step passes the same
-    tensors every time, their shapes and dtypes are in the key, and checking a dozen tensors per layer
-    costs a visible share of a decode step. The step's own tensors (rows, indexes, mask)
-    and every size relation (the shape environment's guard) stay checked."""
+    The guards on the layers' arguments are dropped too (_LAYER_GUARDS: each weight's and pool tensor's
+    match, each kernel tuple's length and constants): a step passes the same layers every time, and their
+    shapes, dtypes, lengths and constants are in the key. Checked each step, after a forward has pushed
+    them out of the caches, they cost a visible share of a decode step. The step's own tensors (rows,
+    indexes, mask) and every size relation (the shape environment's guard) stay checked."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [
         g.guard_type not in unsaved
         and not unsaved.intersection(g.derived_guard_types or ())
-        and not (g.guard_type == "TENSOR_MATCH" and g.name.startswith("layers["))
+        and not (g.guard_type in _LAYER_GUARDS and g.name.startswith("layers["))
         for g in guards
     ]
 
