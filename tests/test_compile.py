@@ -379,3 +379,21 @@ def test_kept_functions_check_the_steps_own_tensors_not_the_layers_they_are_keye
            guard("CONSTANT_MATCH", "self.heads"), guard("SHAPE_ENV", "", ("SHAPE_ENV",))]
     unsaved = [guard(kind, "x") for kind in sorted(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)]
     assert kept_steps.saveable_guards(layers + own + unsaved) == [False] * len(layers) + [True] * len(own) + [False] * len(unsaved)
+
+
+def test_a_kept_function_serves_any_pool_size(tiny_model_dir, fresh_cache, caplog):
+    """A function compiled ahead of time leaves the pools' size free: a start with another KV budget loads the
+    same file, nothing traced, and its steps take it with the eager forward's tokens."""
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = [make_engine(tiny_model_dir, compile=False).generate(p, greedy)[0].token_ids for p in PROMPTS]
+    caplog.set_level("INFO", logger="specstream")
+    make_engine(tiny_model_dir, compile=True, adaptive=False, kv_cache_tokens=1024)
+    assert "compiled decode steps ahead of time" in caplog.text
+    caplog.clear()
+    graphs = counters["stats"]["unique_graphs"]
+    other = make_engine(tiny_model_dir, compile=True, adaptive=False, kv_cache_tokens=4096)
+    assert "ahead of time (" not in caplog.text and counters["stats"]["unique_graphs"] == graphs
+    fast = other.runner.fast
+    calls = _count_kept_calls(fast)
+    assert [o.token_ids for o in other.generate(PROMPTS, greedy)] == want
+    assert sum(calls.values()) > 0 and fast.steps.refused == {}
