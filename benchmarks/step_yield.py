@@ -46,7 +46,8 @@ class Step:
 
 
 def record(engine) -> list[Step]:
-    """Hook an engine so that every step it runs is appended, as a Step, to the returned list."""
+    """Hook an engine so that every step it runs is appended, as a Step, to the returned list. The expected gain is
+    read by wrapping policy.StepPrice.add, `auto`'s pricing, for the whole process."""
     steps: list[Step] = []
     now: dict = {}
     pack, record_round, step = engine._pack, engine.metrics.record_round, engine.step
@@ -126,6 +127,23 @@ def summarize(steps: list[Step], group: int = 4) -> tuple[list[dict], dict]:
     return rows, total
 
 
+def report(steps: list[Step], rate: float, args, conversations: int) -> None:
+    rows, total = summarize(steps)
+    print(f"`auto`, {args.workload}, {args.streams} stream(s), T={args.temperature:g}, {conversations} conversations: {rate:.1f} tok/s")
+    print("| batch | drafted rows | steps | tokens a step | ms a step (plain) | tok/s vs plain steps | extra tokens / expected |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['drafted']} | {r['steps']} | {r['tokens']:.2f} | {r['ms']:.1f} ({r['plain_ms']:.1f}) "
+            f"| {r['vs_plain']:.2f}x | {r['extra']} / {r['expected']:.0f} |"
+        )
+    print(
+        f"steps of decoding alone: {total['steps']}, drafting {total['drafting_steps']} ({total['time_share']:.0%} of their time); "
+        f"drafting steps {total['vs_plain']:.3f}x the tokens a second of plain steps of their batch; "
+        f"extra tokens {total['extra']} where {total['expected']:.0f} were expected"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["chat", "agent", "code"], default="chat")
@@ -151,22 +169,6 @@ def main() -> None:
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
     print(f"CPU: {cpu_name()}")
 
-
-def report(steps: list[Step], rate: float, args, conversations: int) -> None:
-    rows, total = summarize(steps)
-    print(f"`auto`, {args.workload}, {args.streams} stream(s), T={args.temperature:g}, {conversations} conversations: {rate:.1f} tok/s")
-    print("| batch | drafted rows | steps | tokens a step | ms a step (plain) | tok/s vs plain steps | extra tokens / expected |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['drafted']} | {r['steps']} | {r['tokens']:.2f} | {r['ms']:.1f} ({r['plain_ms']:.1f}) "
-            f"| {r['vs_plain']:.2f}x | {r['extra']} / {r['expected']:.0f} |"
-        )
-    print(
-        f"steps of decoding alone: {total['steps']}, drafting {total['drafting_steps']} ({total['time_share']:.0%} of their time); "
-        f"drafting steps {total['vs_plain']:.3f}x the tokens a second of plain steps of their batch; "
-        f"extra tokens {total['extra']} where {total['expected']:.0f} were expected"
-    )
 
 if __name__ == "__main__":
     main()
