@@ -158,14 +158,17 @@ class Engine:
 
     # -------------------------------------------------------------------------- step
     def step(self) -> list[StreamChunk]:
-        """One round over every running sequence: schedule, propose, forward, verify, update.
-        Returns a chunk per sequence that gained tokens or failed."""
+        """One round over every running sequence: schedule, propose, forward, verify, update. Returns a chunk
+        per sequence that gained tokens or failed."""
         self.upgrade()
+        began = time.perf_counter()
         plan = self._schedule()
         if plan.empty:
             self._update_gauges()
             return []
+        proposing = time.perf_counter()
         decodes, drafts, outputs = self._propose(plan)
+        proposing = time.perf_counter() - proposing
         completing = [seq for seq, n in plan.prefills if seq.num_cached + n == len(seq.token_ids)]
         items = self._pack(decodes, drafts, plan.prefills)
         aux_layers = self.proposer.aux_layers
@@ -175,17 +178,20 @@ class Engine:
             seq.num_cached += n
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
         results = self._verify(rounds)  # reads the logits back: the forward has finished, on any device
-        self._observe_cost(sum(len(item.tokens) for item in items), time.perf_counter() - started)
+        forward = time.perf_counter() - started
+        self._observe_cost(sum(len(item.tokens) for item in items), forward)
         if aux is not None:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
+        if not plan.prefills and decodes and not self.compiling:  # the rounds' own host work, which drafting adds to
+            host = time.perf_counter() - began - proposing - forward
+            self.policy.host.observe(len(decodes), sum(bool(d.tokens) for d in drafts), host)
         self._update_gauges()
         return outputs
 
     def _observe_cost(self, tokens: int, seconds: float) -> None:
-        """Every draft is priced from the forward-time curve: each step the engine runs corrects it, so that
-        the price follows the machine as it is now (calibration.CostModel.observe)."""
+        """Each step corrects the forward-time curve drafts are priced from (calibration.CostModel.observe)."""
         cost = self.policy.target_cost
         if cost is not None and not self.compiling:  # a compile beside slows steps for a while only
             cost.observe(tokens, seconds)

@@ -199,6 +199,47 @@ class StepPrice:
         self.rows += rows
 
 
+# How far one step moves DraftingHost's measures, and how much of its charge each plain step forgets.
+HOST_RATE = 0.05
+HOST_FORGET = 0.001
+HOST_FIRST = 8  # plain steps of a batch size averaged whole before any is capped or a drafting step is measured
+
+
+class DraftingHost:
+    """What a step of decoding sequences costs on the host besides its forward, its verification and its
+    proposer's call (scheduling, packing, each round's bookkeeping) once any of them drafts, over a plain step
+    of as many sequences: measured per batch size from the steps the engine runs. It barely grows with the
+    sequences drafting (their rounds are handled together), so it is the step's, not each draft's: the k
+    policy charges it to a step's first drafting sequence. Each plain step forgets a little of it, so that a
+    charge measured on a busy machine does not stop drafting at that batch size for good."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}  # batch size -> a plain step's host seconds
+        self.extra: dict[int, float] = {}  # batch size -> what drafting adds to them
+        self.seen: dict[int, int] = {}  # batch size -> plain steps measured
+
+    def __call__(self, num_seqs: int) -> float:
+        return self.extra.get(num_seqs, 0.0)
+
+    def observe(self, num_seqs: int, num_drafting: int, seconds: float) -> None:
+        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, spent `seconds` on
+        the host. A plain step's time is its size's running mean at first (one slow first step does not set
+        it), then fades; any later step counts for at most 3x it (one descheduled step says little)."""
+        if num_seqs <= 0 or not 0.0 <= seconds < float("inf"):
+            return
+        plain = self.plain.get(num_seqs, 0.0)
+        if not num_drafting:
+            seen = self.seen[num_seqs] = self.seen.get(num_seqs, 0) + 1
+            if seen > HOST_FIRST:
+                seconds = min(seconds, 3.0 * plain)
+            self.plain[num_seqs] = plain + max(HOST_RATE, 1.0 / seen) * (seconds - plain)
+            if num_seqs in self.extra:
+                self.extra[num_seqs] *= 1.0 - HOST_FORGET
+        elif self.seen.get(num_seqs, 0) >= HOST_FIRST:  # measured against a plain step of its size, once there is one
+            extra = self.extra.get(num_seqs, 0.0)
+            self.extra[num_seqs] = extra + HOST_RATE * (min(max(seconds - plain, 0.0), 3.0 * plain) - extra)
+
+
 class KPolicy:
     """k for each decoding sequence of a step. Without a cost curve (or adaptive=False) every sequence
     drafts its cap, within the step's budget."""
@@ -223,6 +264,7 @@ class KPolicy:
         self.lookup_cost = lookup_cost
         self.draft_hint = draft_hint
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
+        self.host = DraftingHost()  # what a step's drafting adds on the host: the engine reports every step
 
     def estimate(self, seq: Drafting) -> float:
         """seq's acceptance: its own record, pulled toward what drafts like its were accepted lately."""
@@ -253,6 +295,7 @@ class KPolicy:
             if hint is not None and hint[0] > alphas[i]:
                 alphas[i], caps[i] = hint[0], min(caps[i], hint[1])
         lookup = self.lookup_cost()
+        host = self.host(len(seqs))  # once, with the first sequence let draft
         ks = [0] * len(seqs)
         step = StepYield(float(len(seqs)), self.target_cost(base_tokens))
         tokens, drafting, max_k = base_tokens, 0, 0
@@ -264,7 +307,7 @@ class KPolicy:
             new_drafting = drafting + (ks[i] == 0)
             new_max_k = max(max_k, ks[i] + 1)
             passes = new_max_k * self.draft_pass_cost(new_drafting)
-            new_cost = self.target_cost(tokens + 1) + passes + new_drafting * lookup
+            new_cost = self.target_cost(tokens + 1) + passes + new_drafting * lookup + host
             if not step.pays(-neg_gain, new_cost - step.seconds):
                 break
             step.add(-neg_gain, new_cost - step.seconds)
