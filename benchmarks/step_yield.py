@@ -137,6 +137,9 @@ def report(steps: list[Step], rate: float, args, conversations: int) -> None:
             f"| {r['batch']} | {r['drafted']} | {r['steps']} | {r['tokens']:.2f} | {r['ms']:.1f} ({r['plain_ms']:.1f}) "
             f"| {r['vs_plain']:.2f}x | {r['extra']} / {r['expected']:.0f} |"
         )
+    if not total["drafting_steps"]:
+        print(f"steps of decoding alone: {total['steps']}, none of them drafting")
+        return
     print(
         f"steps of decoding alone: {total['steps']}, drafting {total['drafting_steps']} ({total['time_share']:.0%} of their time); "
         f"drafting steps {total['vs_plain']:.3f}x the tokens a second of plain steps of their batch; "
@@ -167,6 +170,9 @@ def main() -> None:
     for i in range(0, len(measured), args.streams):
         tokens += converse_together(engine, measured[i : i + args.streams], params)[0]
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
+    host = engine.policy.host
+    charged = ", ".join(f"{b}: {host.extra[b] * 1e3:.2f} of {host.plain[b] * 1e3:.2f}" for b in sorted(host.extra))
+    print(f"host ms a drafting step adds, as charged at the end, of a plain step's, by batch: {charged or 'none'}")
     print(f"CPU: {cpu_name()}")
 
 
