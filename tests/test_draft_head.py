@@ -607,6 +607,34 @@ def test_auto_drafts_an_ngram_match_as_ngram_does_and_costs_the_k_policy_no_head
     assert policy.choose([seq], 1, 64) == same.choose([seq], 1, 64) and policy.choose([seq], 1, 64)[0] > 0
 
 
+def test_auto_weighs_an_ngram_match_by_what_matches_of_its_length_were_kept(monkeypatch):
+    """A sequence whose four-token matches were all kept draws no confidence from them for a one-token match:
+    auto keeps its n-gram records by match length, and a short match is weighed (against the other methods,
+    and in the step's expected tokens) at what short matches were kept."""
+    from specstream.calibration import CostModel
+    from specstream.spec_decode import policy
+    from specstream.spec_decode.auto import NGRAM_PRIOR, AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    auto = AutoProposer(None, NgramProposer(1, 4))
+    auto.target_cost = CostModel([1, 9], [0.010, 0.030])
+    seq = Sequence("s", list(range(1, 13)) + list(range(1, 6)), SamplingParams(temperature=0.7, seed=1), arrival=0)
+    for _ in range(6):
+        (draft,) = auto.propose([seq], [4])
+        assert draft.tokens == [6, 7, 8, 9] and draft.method == "ngram"
+        seq.stats.record(4, 4, 0)  # every draft kept
+        auto.on_commit(seq)
+    record = auto._seqs["s"].ngram
+    assert set(record) == {"ngram4"} and record["ngram4"].estimate(0.5, 2.0) > 0.9
+    seq.token_ids.extend([99, 5])  # now only the last token matches
+    gains = []
+    add = policy.StepPrice.add
+    monkeypatch.setattr(policy.StepPrice, "add", lambda self, gain, rows, extra=0.0: gains.append(gain) or add(self, gain, rows, extra))
+    (draft,) = auto.propose([seq], [4])
+    a = NGRAM_PRIOR[1]
+    assert draft.method == "ngram" and gains == [pytest.approx(a + a * a)]  # two tokens each kept at the prior
+
+
 def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     """A draft is kept while (expected tokens + its chance) / (seconds + its row) beats the step's
     rate so far; later drafts need more confidence; free verification keeps every draft."""

@@ -104,7 +104,9 @@ class Calibration:
 @dataclass
 class _SeqChoice:
     head: Acceptance
-    ngram: Acceptance
+    # By match kind (ngram1..ngram4, the matched suffix's length): a sequence whose long matches were kept says
+    # little of its one-token matches, which at T=0.7 were kept a third as often as such a record predicted.
+    ngram: dict[str, Acceptance] = field(default_factory=dict)
     suffix: Calibration = field(default_factory=Calibration)
     last_method: str = ""
     last_kind: str = ""  # last_method's key in the shared record (an n-gram match's by its length)
@@ -229,7 +231,8 @@ class AutoProposer(Proposer):
             choice.suffix.record(choice.last_expected, accepted)
             self.shared.record("suffix", bucket, accepted, choice.last_expected - accepted)
         else:
-            getattr(choice, choice.last_method).record(drafted, accepted, DECAY)
+            record = choice.head if choice.last_method == "head" else choice.ngram.setdefault(choice.last_kind, Acceptance())
+            record.record(drafted, accepted, DECAY)
             self.shared.record(choice.last_kind, bucket, accepted, float(accepted < drafted))
         choice.last_method = ""
 
@@ -246,12 +249,12 @@ class AutoProposer(Proposer):
             for i, (seq, k) in enumerate(zip(seqs, ks)):
                 if k <= 0:
                     continue
-                choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance(), Acceptance()))
+                choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance()))
                 bucket = sampling_bucket(seq.params)
                 tokens, n = self._match(seq, k)
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
-                ngram_a = choice.ngram.estimate(ngram_prior, PRIOR_WEIGHT)
+                ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
                 ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
