@@ -105,7 +105,7 @@ class Calibration:
 class _SeqChoice:
     head: Acceptance
     # By match kind (ngram1..ngram4, the matched suffix's length): a sequence whose long matches were kept says
-    # little of its one-token matches, which at T=0.7 were kept a third as often as such a record predicted.
+    # little of how often its one-token matches will be.
     ngram: dict[str, Acceptance] = field(default_factory=dict)
     suffix: Calibration = field(default_factory=Calibration)
     last_method: str = ""
