@@ -224,7 +224,8 @@ class DraftingHost:
     def observe(self, num_seqs: int, num_drafting: int, seconds: float) -> None:
         """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, spent `seconds` on
         the host. A plain step's time is its size's running mean at first (one slow first step does not set
-        it), then fades; any later step counts for at most 3x it (one descheduled step says little)."""
+        it), then fades; past that, neither a plain step nor a drafting step's excess over it counts for more
+        than 3x it (one descheduled step says little)."""
         if num_seqs <= 0 or not 0.0 <= seconds < float("inf"):
             return
         plain = self.plain.get(num_seqs, 0.0)
