@@ -635,6 +635,39 @@ def test_auto_weighs_an_ngram_match_by_what_matches_of_its_length_were_kept(monk
     assert draft.method == "ngram" and gains == [pytest.approx(a + a * a)]  # two tokens each kept at the prior
 
 
+def test_auto_stops_drafting_a_match_length_once_such_matches_are_known_not_to_pay():
+    """While the shared record of one-token matches holds less than its prior's weight, auto drafts such a match as
+    "ngram" would (so that the record learns); once it holds more and says they are rarely kept, they are not
+    drafted, while a four-token match, of which nothing is known yet, still is; once the record has faded below
+    its prior's weight, a one-token match is drafted again."""
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    auto = AutoProposer(None, NgramProposer(1, 4))
+    auto.target_cost = CostModel([1, 9], [0.010, 0.030])  # a verified row costs a quarter of a step
+    params = SamplingParams(temperature=0.7, seed=1)
+    short = Sequence("s", list(range(1, 13)) + [99, 5], params, arrival=0)  # only its last token matches
+    rounds = 0
+    while auto.shared.evidence("ngram1", "T0.75") < auto.shared.weight:
+        (draft,) = auto.propose([short], [4])
+        assert draft.tokens and draft.method == "ngram"
+        short.stats.record(len(draft.tokens), 0, 0)  # none kept
+        auto.on_commit(short)
+        rounds += 1
+    assert rounds == 5  # 4 rounds' rejections, faded, are just under the weight of 4
+    (draft,) = auto.propose([short], [4])
+    assert draft.tokens == [] and auto._seqs["s"].last_method == ""
+    copy = Sequence("c", list(range(1, 13)) + list(range(1, 6)), params, arrival=0)
+    (draft,) = auto.propose([copy], [4])
+    assert draft.tokens == [6, 7, 8, 9]
+    for _ in range(230):  # decoding rounds pass; the one-token record fades below its prior's weight
+        auto.shared.tick()
+    assert auto.shared.evidence("ngram1", "T0.75") < auto.shared.weight
+    (draft,) = auto.propose([short], [4])
+    assert draft.tokens and draft.method == "ngram"
+
+
 def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     """A draft is kept while (expected tokens + its chance) / (seconds + its row) beats the step's
     rate so far; later drafts need more confidence; free verification keeps every draft."""

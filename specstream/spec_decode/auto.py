@@ -26,10 +26,15 @@ while pays a pass over all of them before its first draft, its prompt's rows inc
 over the head rounds left in the request (it serves all of them) was tried and measured worse: the head's
 rounds came back and did not pay (README, the open-chat trace).
 
-Where neither the suffix draft nor the head is picked, an n-gram match drafts exactly as under method
-"ngram": the k policy (policy.KPolicy) has already weighed drafting against plain decoding from the
-sequence's own acceptance, and charges auto's drafts no head step (the head's steps are priced here). So
-auto drafts at least what "ngram" does, and differs only where another method is expected to do better.
+Where neither the suffix draft nor the head is picked, an n-gram match drafts as under method "ngram" (up to
+the k that the k policy, policy.KPolicy, granted from the sequence's own acceptance, charging auto's drafts no
+head step: the head's steps are priced here) while little is known of matches of its length: the shared
+record of its kind (ngram1..ngram4, in the sampling bucket) holds less than its prior's weight. Once it holds
+more, the match is judged at its kind's estimate as the other methods are: drafted up to its best length
+where that beats plain decoding, and not at all where it does not. The sequence's own acceptance mixes every
+method's rounds, so a kind of match rarely kept (one-token matches in greedy open chat) was drafted at the
+acceptance of its suffix drafts and long matches. The shared record fades, so a declined kind is drafted
+again, to learn, once its evidence has faded below the prior's weight.
 Where the sequence's latest tokens match LONG_MATCH or more tokens earlier on (usually a copy), the k
 policy weighs a greedy request's round at what such matches were accepted lately across sequences instead
 (draft_hint), up to the match's length: a sequence's own record mixes every method's rounds.
@@ -204,6 +209,14 @@ class AutoProposer(Proposer):
         kind = f"ngram{min(n, 4)}"
         return kind, self.shared.prior(kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
 
+    def _ngram_cut(self, tokens: list[int], kind: str, bucket: str, pays: bool, best: int) -> list[int]:
+        """What of an n-gram match drafts: all of it (as under method "ngram") while the shared record of its kind
+        holds less than its prior's weight, so that the record learns; then its best length where it `pays`
+        against plain decoding at its kind's estimate, and none where it does not."""
+        if not tokens or self.shared.evidence(kind, bucket) < self.shared.weight:
+            return tokens
+        return tokens[:best] if pays else []
+
     def _match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """seq's n-gram match, up to k tokens: draft_hint's of this step where it ran."""
         held = self._matches.pop(seq.request_id, None)
@@ -256,6 +269,7 @@ class AutoProposer(Proposer):
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
                 ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
+                tokens = self._ngram_cut(tokens, ngram_kind, bucket, ngram_rate > plain, ngram_m)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
@@ -277,10 +291,6 @@ class AutoProposer(Proposer):
                     if tokens:
                         fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
                 elif tokens:
-                    # Not the head: the match drafts as under method "ngram", all of it up to the k that the
-                    # policy granted from the sequence's own acceptance (which weighs drafting against plain
-                    # decoding). Judged again here by a prior per match length, short matches that pay would
-                    # be declined.
                     drafts[i] = Draft(tokens, None, "ngram")
                     choice.last_method, choice.last_kind = "ngram", ngram_kind
                     price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))

@@ -105,6 +105,11 @@ class SharedAcceptance:
         record = self._record((kind, bucket))
         return default if record is None else record.estimate(default, self.weight)
 
+    def evidence(self, kind: str, bucket: str) -> float:
+        """How much the shared record of `kind` in `bucket` holds now: its faded counts, in drafts and rounds."""
+        record = self._record((kind, bucket))
+        return 0.0 if record is None else record.accepted + record.rejected
+
     def record(self, kind: str, bucket: str, accepted: float, rejected: float) -> None:
         """A round's drafts of `kind`: `accepted` of them, and `rejected` (1 where the round ended in a rejection;
         for a proposer's own chances, their sum less the accepted drafts)."""
