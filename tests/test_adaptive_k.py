@@ -163,6 +163,11 @@ def test_a_proposers_hint_grants_a_long_copy_its_length_and_no_more():
     assert length == 16 and a >= 0.5
     short = Sequence("s", text + [7] + [999, text[0]], greedy, 0)  # a one-token match
     assert auto.draft_hint(short) is None
+    looked, match = [], auto.ngram.match  # the hint keeps its matches as a sequence grows: no whole lookup a step
+    auto.ngram.match = lambda tokens, k: looked.append(k) or match(tokens, k)
+    short.token_ids.append(text[1])
+    assert auto.draft_hint(short) is None and auto.draft_hint(copying)[1] == 16 and not looked
+    auto.ngram.match = match
     assert auto.draft_hint(Sequence("t", copying.token_ids, SamplingParams(temperature=0.7), 0)) is None
     auto.shared.record("ngram3", sampling_bucket(copying.params), 1.0, 30.0)  # matches of 3 were lately rejected: the hint says so
     assert auto.draft_hint(copying)[0] < 0.2

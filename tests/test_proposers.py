@@ -70,3 +70,36 @@ def test_ngram_tree_of_one_occurrence_is_the_chain():
     draft = p.draft_tree(tokens, 3)
     assert not draft.is_tree and draft.tokens == p.lookup(tokens, 3) == [5, 9, 7]
     assert p.draft_tree([1, 2, 3, 4], 5).tokens == []
+
+
+def test_long_matches_kept_as_tokens_grow_find_what_a_whole_lookup_finds_from_their_length_on():
+    """LongMatches (auto's test for a copy, every step) gives NgramProposer.match's answer wherever the matched
+    suffix is at least `shortest` tokens long, and nothing elsewhere, token by token as a sequence grows, asked
+    once or twice a token, with small vocabularies (many matches) and large (few)."""
+    import random
+
+    from specstream.spec_decode.ngram import LongMatches
+
+    rng = random.Random(0)
+    for low, high in ((1, 4), (2, 5), (1, 2)):
+        exact = NgramProposer(low, high)
+        for _ in range(60):
+            tokens = [rng.randrange(rng.choice([2, 4, 50])) for _ in range(rng.randrange(1, 40))]
+            longs = LongMatches(max(3, low), high)
+            for length in range(len(tokens) + 1):
+                for _ in range(1 + length % 2):
+                    tokens_now, n = exact.match(tokens[:length], 5)
+                    assert longs.match(tokens[:length], 5, exact) == ((tokens_now, n) if n >= 3 else ([], 0))
+
+
+def test_long_matches_look_a_window_up_whole_where_two_windows_share_a_hash(monkeypatch):
+    """Windows are kept by hash: where the window found is not the sequence's last (a collision), the match is
+    looked up whole, and a short one is not returned."""
+    from specstream.spec_decode import ngram
+
+    monkeypatch.setattr(ngram, "hash", lambda window: 0, raising=False)  # every window collides
+    exact = NgramProposer(1, 4)
+    longs = ngram.LongMatches(3, 4)
+    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3], 3, exact) == ([9, 4, 5], 3)
+    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8], 3, exact) == ([], 0)  # [8] occurred nowhere before
+    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8, 6, 1], 3, exact) == ([], 0)  # [6, 1]: 2 tokens, short

@@ -218,7 +218,7 @@ class Engine:
         rows = aux.split([len(item.tokens) for item in items])
         for i, seq in enumerate(decodes):
             if not isinstance(results[i], Exception):
-                self._observe(seq, items[i].start, rows[i][results[i].rows()])
+                self._observe(seq, items[i].start, results[i].take_rows(rows[i]))
         for j, (seq, _) in enumerate(prefills, start=len(decodes)):
             self._observe(seq, items[j].start, rows[j])
 

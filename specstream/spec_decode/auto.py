@@ -30,8 +30,9 @@ Where neither the suffix draft nor the head is picked, an n-gram match drafts as
 the k that the k policy, policy.KPolicy, granted from the sequence's own acceptance, charging auto's drafts no
 head step: the head's steps are priced here) while little is known of matches of its length: the shared
 record of its kind (ngram1..ngram4, in the sampling bucket) holds less than its prior's weight. Once it holds
-more, the match is judged at its kind's estimate as the other methods are: drafted up to its best length
-where that beats plain decoding, and not at all where it does not. The sequence's own acceptance mixes every
+more, the match is judged at its kind's estimate as the other methods are: drafted (all of it, up to k) where
+its best length beats plain decoding, and not at all where it does not. Its length stays the k policy's: a
+copy's drafts are kept in runs, which the independent acceptance of best_length undervalues. The sequence's own acceptance mixes every
 method's rounds, so a kind of match rarely kept (one-token matches in greedy open chat) was drafted at the
 acceptance of its suffix drafts and long matches. The shared record fades, so a declined kind is drafted
 again, to learn, once its evidence has faded below the prior's weight.
@@ -71,7 +72,7 @@ from specstream.spec_decode.policy import (
 )
 from specstream.spec_decode.draft_head import HeadError
 from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
-from specstream.spec_decode.ngram import NgramProposer
+from specstream.spec_decode.ngram import LongMatches, NgramProposer
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext
 from specstream.spec_decode.suffix import SuffixProposer, SuffixUnavailable
 from specstream.sequence import Sequence
@@ -134,6 +135,7 @@ class AutoProposer(Proposer):
         # draft_hint's n-gram match of each sequence this step, by request: (tokens then, the match, its n)
         self._matches: dict[str, tuple[int, list[int], int]] = {}
         self._hint_seconds = 0.0
+        self._long: dict[str, LongMatches] = {}  # by request: its n-gram matches of LONG_MATCH tokens or more
         self.ngram = ngram
         self.suffix = suffix
         self.head_prior = head_prior
@@ -196,8 +198,12 @@ class AutoProposer(Proposer):
         if not seq.params.greedy:
             return None
         started = time.perf_counter()
-        tokens, n = self.ngram.match(seq.token_ids, self.k_max)
-        self._matches[seq.request_id] = (len(seq.token_ids), tokens, n)
+        longs = self._long.get(seq.request_id)
+        if longs is None:
+            longs = self._long[seq.request_id] = LongMatches(max(LONG_MATCH, self.ngram.min_n), self.ngram.max_n)
+        tokens, n = longs.match(seq.token_ids, self.k_max, self.ngram)
+        if n >= LONG_MATCH:  # a shorter match (which this does not look for) is propose's to find
+            self._matches[seq.request_id] = (len(seq.token_ids), tokens, n)
         self._hint_seconds += time.perf_counter() - started
         if n < LONG_MATCH or len(tokens) < 2:
             return None
@@ -209,13 +215,13 @@ class AutoProposer(Proposer):
         kind = f"ngram{min(n, 4)}"
         return kind, self.shared.prior(kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
 
-    def _ngram_cut(self, tokens: list[int], kind: str, bucket: str, pays: bool, best: int) -> list[int]:
+    def _ngram_cut(self, tokens: list[int], kind: str, bucket: str, pays: bool) -> list[int]:
         """What of an n-gram match drafts: all of it (as under method "ngram") while the shared record of its kind
-        holds less than its prior's weight, so that the record learns; then its best length where it `pays`
-        against plain decoding at its kind's estimate, and none where it does not."""
-        if not tokens or self.shared.evidence(kind, bucket) < self.shared.weight:
+        holds less than its prior's weight, so that the record learns, or where its best length `pays` against
+        plain decoding at its kind's estimate; none where it does not."""
+        if not tokens or pays or self.shared.evidence(kind, bucket) < self.shared.weight:
             return tokens
-        return tokens[:best] if pays else []
+        return []
 
     def _match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """seq's n-gram match, up to k tokens: draft_hint's of this step where it ran."""
@@ -226,6 +232,7 @@ class AutoProposer(Proposer):
 
     def release(self, seq: Sequence) -> None:
         self._matches.pop(seq.request_id, None)
+        self._long.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
         if self.head is not None:
             self.head.release(seq)
@@ -268,8 +275,8 @@ class AutoProposer(Proposer):
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
-                ngram_rate, ngram_m = best_length(ngram_a, len(tokens), price) if tokens else (0.0, 0)
-                tokens = self._ngram_cut(tokens, ngram_kind, bucket, ngram_rate > plain, ngram_m)
+                ngram_rate = best_length(ngram_a, len(tokens), price)[0] if tokens else 0.0
+                tokens = self._ngram_cut(tokens, ngram_kind, bucket, ngram_rate > plain)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)

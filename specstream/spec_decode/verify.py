@@ -123,6 +123,11 @@ class RoundResult:
             return list(range(self.num_accepted + 1))
         return [0] + [j + 1 for j in self.path]
 
+    def take_rows(self, step_rows: torch.Tensor) -> torch.Tensor:
+        """The rows() of this round's slice of a per-row tensor: a view where they are its first rows (a chain's
+        round), a copy where a tree's path skips some."""
+        return step_rows[: self.num_accepted + 1] if self.path is None else step_rows[self.rows()]
+
 
 def verify_round(rounds: list[Round]) -> list[RoundResult]:
     """Accept or reject each sequence's drafts for one round: greedy rows by matching the
