@@ -32,10 +32,10 @@ head step: the head's steps are priced here) while little is known of matches of
 record of its kind (ngram1..ngram4, in the sampling bucket) holds less than its prior's weight. Once it holds
 more, the match is judged at its kind's estimate as the other methods are: drafted (all of it, up to k) where
 its best length beats plain decoding, and not at all where it does not. Its length stays the k policy's: a
-copy's drafts are kept in runs, which the independent acceptance of best_length undervalues. The sequence's own acceptance mixes every
-method's rounds, so a kind of match rarely kept (one-token matches in greedy open chat) was drafted at the
-acceptance of its suffix drafts and long matches. The shared record fades, so a declined kind is drafted
-again, to learn, once its evidence has faded below the prior's weight.
+copy's drafts are kept in runs, which the independent acceptance of best_length undervalues. The sequence's
+own acceptance mixes every method's rounds, so a kind of match rarely kept (one-token matches in greedy open
+chat) was drafted at the acceptance of its suffix drafts and long matches. The shared record fades, so a
+declined kind is drafted again, to learn, once its evidence has faded below the prior's weight.
 Where the sequence's latest tokens match LONG_MATCH or more tokens earlier on (usually a copy), the k
 policy weighs a greedy request's round at what such matches were accepted lately across sequences instead
 (draft_hint), up to the match's length: a sequence's own record mixes every method's rounds.
@@ -215,10 +215,10 @@ class AutoProposer(Proposer):
         kind = f"ngram{min(n, 4)}"
         return kind, self.shared.prior(kind, bucket, NGRAM_PRIOR.get(n, NGRAM_PRIOR_LONG))
 
-    def _ngram_cut(self, tokens: list[int], kind: str, bucket: str, pays: bool) -> list[int]:
-        """What of an n-gram match drafts: all of it (as under method "ngram") while the shared record of its kind
-        holds less than its prior's weight, so that the record learns, or where its best length `pays` against
-        plain decoding at its kind's estimate; none where it does not."""
+    def _judged_match(self, tokens: list[int], kind: str, bucket: str, pays: bool) -> list[int]:
+        """An n-gram match as it drafts: whole (as under method "ngram") while the shared record of its kind holds
+        less than its prior's weight, so that the record learns, or where its best length `pays` against plain
+        decoding at its kind's estimate; nothing where it does not."""
         if not tokens or pays or self.shared.evidence(kind, bucket) < self.shared.weight:
             return tokens
         return []
@@ -276,7 +276,7 @@ class AutoProposer(Proposer):
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
                 ngram_rate = best_length(ngram_a, len(tokens), price)[0] if tokens else 0.0
-                tokens = self._ngram_cut(tokens, ngram_kind, bucket, ngram_rate > plain)
+                tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
