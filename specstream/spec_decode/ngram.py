@@ -123,8 +123,8 @@ class NgramProposer(Proposer):
 class LongMatches:
     """A sequence's n-gram match of at least `shortest` tokens (up to `longest`), kept as its tokens grow: each new
     token's windows of those lengths go into dictionaries (by hash, to where they last ended), so a lookup costs a
-    few dictionary operations a new token, not a pass over the sequence (NgramProposer.match: tens of
-    microseconds at a few hundred tokens, for every sequence of every step where it runs). It finds what
+    few dictionary operations a new token, not NgramProposer.match's pass over the whole sequence (for every
+    sequence of every step where it runs; the first lookup reads the prompt's windows once). It finds what
     NgramProposer.match finds (the latest earlier occurrence of the longest matching suffix) wherever that
     suffix is `shortest` tokens or more, and nothing elsewhere."""
 
