@@ -15,12 +15,14 @@ from the sixth decode step on.
     python benchmarks/quant_forward.py --modes auto+compile+torchops auto+compile   # torch's kernels vs
                                                                                    # specstream's CPU kernels
     python benchmarks/quant_forward.py --modes auto+compile --context 1024   # the steps over a longer cache
+    python benchmarks/quant_forward.py --modes auto+compile --scattered   # each cache in blocks all over the pool
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -61,6 +63,10 @@ def main() -> None:
                          "another shape, a prefill chunk's before the decode step; the CPU and its caches then carry "
                          "the other shape's state, which a server decoding steadily does not)")
     ap.add_argument("--timed", type=int, default=5, help="timed steps of a shape per repeat, one after another")
+    ap.add_argument("--scattered", action="store_true",
+                    help="each sequence's cache in blocks drawn at random from the whole pool, as a server's are "
+                         "after hours of requests coming and going (default: one run of consecutive blocks each, as a "
+                         "fresh pool hands them out)")
     args = ap.parse_args()
     if not 1 <= args.context <= 2048:  # 8 sequences of it fit the default KV pool
         raise SystemExit("--context must be between 1 and 2048")
@@ -81,9 +87,12 @@ def main() -> None:
     tables = {}
     for mode, engine in engines.items():
         tables[mode] = []
-        for _ in range(8):
+        spread = random.Random(0).sample(range(engine.pool.num_blocks), 8 * engine.pool.blocks_for(args.context + 256))
+        for i in range(8):
             table: list[int] = []
             engine.pool.reserve(table, args.context + 256)
+            if args.scattered:  # reserved as counted, then read from blocks spread over the pool (no other
+                table[:] = spread[i * len(table):(i + 1) * len(table)]  # sequence uses this pool: none is shared)
             engine.runner.forward([ForwardItem(table, 0, [7] * args.context, 1)])
             tables[mode].append(table)
     steps: dict[tuple[str, str], list[float]] = {(m, s): [] for m in engines for s in SHAPES}

@@ -97,6 +97,25 @@ inline void softmax_rounded(float* scores, int64_t n, float top) {
 // Room for a row's scores: s_max rounded up to whole vectors (softmax_rounded).
 inline int64_t score_room(int64_t s_max) { return (s_max + Vec::size() - 1) / Vec::size() * Vec::size(); }
 
+// Keys s0 .. s_end - 1 (of the s_max a query row may see) asked into the cache ahead of their reads: keys into L1,
+// their values into L2 (read after every key is scored). A sequence's keys lie in blocks scattered over the pool,
+// and between two steps the weights have pushed them out of every cache, so without this each block's first reads
+// wait on memory one after another. A prefetch is only a hint: it never faults and never changes a result.
+template <typename T>
+inline void prefetch_keys(const T* k_base, const T* v_base, int64_t k_stride, int64_t v_stride, const int64_t* slots,
+                          int64_t s0, int64_t s_end, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t s = s0; s < s_end; ++s) {
+    const char* k = reinterpret_cast<const char*>(k_base + slots[s] * k_stride);
+    const char* v = reinterpret_cast<const char*>(v_base + slots[s] * v_stride);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 3);
+      __builtin_prefetch(v + b, 0, 2);
+    }
+  }
+}
+constexpr int64_t kAhead = 32;  // keys asked for ahead of the ones being scored
+
 // One query row and one head, with the head dimension fixed at compile time (VECS vectors) so the query,
 // a key and the output stay in registers; VECS = 0: any supported d, the same loops with runtime bounds.
 template <typename T, int64_t VECS>
@@ -215,8 +234,10 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // bfloat16 keys and queries as they are: each key is two vectors of bfloat16 pairs, and one pair
     // product (VDPBF16PS: both products exact, added in float32) does the work of two widenings and two FMAs.
+    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), D);
     for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
       const int64_t nb = std::min(kBlock, s_max - s0);
+      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max), std::min(s0 + kAhead + kBlock, s_max), D);
       const T* key[kBlock];
       for (int64_t s = 0; s < kBlock; ++s)
         key[s] = s < nb && (seen_by[s0 + s] = seen(s0 + s)) ? k_base + slots[s0 + s] * k_stride : nullptr;
@@ -244,8 +265,10 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
       widen(q_rows[j], q, V);
       for (int64_t c = 0; c < V; ++c) q[c].store(qf + j * D + c * Vec::size());
     }
+    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), D);
     for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
       const int64_t nb = std::min(kBlock, s_max - s0);
+      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max), std::min(s0 + kAhead + kBlock, s_max), D);
       for (int64_t s = 0; s < kBlock; ++s) {
         Vec row[V];
         if (s < nb && (seen_by[s0 + s] = seen(s0 + s))) {
