@@ -457,3 +457,23 @@ def test_a_gguf_file_with_q4_k_tensors_is_served_by_the_block_kernel_and_specula
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     assert [o.token_ids for o in got] == want
     assert sum(o.stats.accepted for o in got) > 0
+
+
+def test_one_noisy_timing_does_not_end_the_packed_kernels_range(monkeypatch):
+    """The packed kernel serves up to the last row count where it wins before the dense GEMM wins two
+    counts in a row: a single loss (a timing taken while the machine was busy) does not end its range."""
+
+    def route(losing_rows: set[int]) -> tuple[int, list[int]]:
+        factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
+        factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
+        asked = []
+        monkeypatch.setattr(routes, "_faster_packed", lambda group, x: asked.append(x.shape[0]) or x.shape[0] not in losing_rows)
+        (choice,) = routes.choose_kernels(factory.built, 64, torch.bfloat16, torch.device("cpu"))
+        return choice.max_packed_rows, asked
+
+    every = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    assert route({12}) == (1 << 30, every)  # one loss, then wins to the last count: packed at every size
+    assert route({12, 64}) == (48, every)  # lost at the last count: the range ends before it
+    assert route({12, 24, 32}) == (16, every[:8])  # two losses in a row end it
+    assert route({1, 2}) == (0, [1, 2])  # the dense GEMM wins from the start: no packed route
+    assert route({1, 4}) == (1 << 30, every)

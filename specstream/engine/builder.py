@@ -188,7 +188,7 @@ class EngineBuilder:
         # Invariant mode: a fixed route (the packed kernel), not one timed at start-up.
         routes_file = calibration.cache_file(
             "routes", source, self.dtype, self.device,
-            [mode, self.config.max_num_batched_tokens, factory.kernel_kinds, self.kernels_key()],
+            [mode, self.config.max_num_batched_tokens, factory.kernel_kinds, self.kernels_key(), routes.RULE],
         )
         choices = routes.settle(
             factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file

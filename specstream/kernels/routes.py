@@ -21,6 +21,11 @@ from specstream.kernels.quant import Linear, LinearFactory
 _PROBE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # A dense copy is kept only while all copies together take at most this share of the free memory.
 _DENSE_MEMORY_SHARE = 0.25
+# The packed kernel's range ends where the dense GEMM wins at this many probes in a row: one timing taken
+# while something else ran would otherwise end it early, and a restart would keep that route for good.
+_LOSSES_TO_END = 2
+# How routes are timed: part of a kept routes file's key, so that files timed under an older rule are timed again.
+RULE = 2
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +82,8 @@ def choose_kernels(
     routes: dict[str, int] | None = None,
 ) -> list[KernelChoice]:
     """For each weight shape, time the packed kernel against the dense GEMM at growing row counts (the
-    fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins.
+    fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins
+    before the dense GEMM wins _LOSSES_TO_END counts in a row.
     A dense copy is dropped where it never wins or does not fit in memory. timed=False routes every call
     to the packed kernel without timing anything, so the route, and the rounding, is the same on every
     start (invariant mode: timings differ between starts, and so would the kernels chosen). routes maps
@@ -98,10 +104,12 @@ def choose_kernels(
         every = group[0].packed.kernel[0] == "a8"
         timed_here = timed and not every
         limit = 0 if timed_here else probes[-1]
+        losses = 0
         for rows in probes if timed_here and saved is None else []:
-            if not _faster_packed(group, torch.randn(rows, shape[1], dtype=dtype, device=device)):
+            if _faster_packed(group, torch.randn(rows, shape[1], dtype=dtype, device=device)):
+                limit, losses = rows, 0
+            elif (losses := losses + 1) == _LOSSES_TO_END:
                 break
-            limit = rows
         if timed_here and saved is not None:
             limit = min(saved, probes[-1])
         dense_bytes = sum(lin.dense.nbytes for lin in group)
