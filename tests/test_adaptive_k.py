@@ -198,6 +198,21 @@ def test_bigger_batches_get_shorter_drafts_on_a_saturating_device():
     assert one[0] >= 4 and max(many) < one[0]
 
 
+def test_a_prefill_chunk_beside_the_decoders_does_not_make_a_poor_draft_pay():
+    """Drafts beside a prompt's chunk cost what they add to that step, and must beat the decoding rows' own rate
+    (8 tokens per 13 ms here), not the whole step's (8 tokens per 0.3 s, which a draft of any acceptance beats)."""
+    from specstream.spec_decode.policy import ChainJudge, StepBase
+
+    curve = CostModel([1, 8, 32, 288], [0.010, 0.013, 0.030, 0.300])  # about 1 ms a row past 32: bound by arithmetic
+    policy = KPolicy(8, True, curve, lambda n: 0.0)
+    poor, good = seqs(8, accepted=3.0, rejected=7.0), seqs(8, accepted=40.0, rejected=1.0)
+    assert policy.choose(poor, base_tokens=8 + 256, budget=500) == [0] * 8
+    assert policy.choose(poor, base_tokens=8, budget=500) == [0] * 8  # as in a step of the decoders alone
+    assert sum(policy.choose(good, base_tokens=8 + 256, budget=500)) > 0  # a draft kept 9 times in 10 still pays
+    judge = ChainJudge(curve, None, 8, StepBase(8 + 256, 8.0, 256))
+    assert not judge.worth(0.3) and judge.worth(0.95)
+
+
 def test_acceptance_history_fades_toward_the_prior_when_idle():
     s = seqs(1, rejected=10.0)[0]
     low = acceptance_estimate(s)

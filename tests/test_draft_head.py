@@ -571,10 +571,11 @@ def test_auto_prices_drafts_at_the_margin_of_the_step_they_join():
     assert head.asked == []  # 8.5 tokens / 0.0235 s is below 8 / 0.020 s
     auto.propose([fresh], [1])  # no step announced: priced as the step's only sequence
     assert head.asked == [1]  # 1.5 tokens / 0.011 s beats 1 / 0.010 s
-    # Prefill rows in the step make its drafts nearly free: 1 decoding sequence beside a 15-token chunk.
-    auto.begin_step(StepBase(16, 1.0))
+    # 1 decoding sequence beside a 15-token chunk: its draft is priced at that step's margin (a 17th row) and
+    # pays against the decoding row's own rate, 1 token / 0.010 s.
+    auto.begin_step(StepBase(16, 1.0, 15))
     auto.propose([fresh], [1])
-    assert head.asked == [1, 1] and head.base == StepBase(16, 1.0)  # the head's chain is judged in that step
+    assert head.asked == [1, 1] and head.base == StepBase(16, 1.0, 15)  # the head's chain is judged in that step
     # A head that has not drafted for this sequence in a while first feeds it every row since: priced too.
     head.pending_seconds = 0.005
     auto.propose([fresh], [1])

@@ -440,5 +440,5 @@ def test_the_proposer_is_told_the_step_its_drafts_join(tiny_model_dir):
     while e.has_unfinished():
         e.step()
     assert bases and bases[0] == StepBase(1, 1.0)
-    assert StepBase(1 + 30, 1.0) in bases  # the second prompt's 30 tokens, in one chunk, beside one decoder
+    assert StepBase(1 + 30, 1.0, 30) in bases  # the second prompt's 30 tokens, in one chunk, beside one decoder
     assert StepBase(2, 2.0) in bases

@@ -276,7 +276,7 @@ class Engine:
     def _draft(self, plan: StepPlan) -> tuple[list[Sequence], list[Draft], list[StreamChunk]]:
         if not any(plan.ks):
             return plan.decodes, [Draft([]) for _ in plan.decodes], []
-        base = StepBase(plan.base_tokens, float(len(plan.decodes)))
+        base = StepBase(plan.base_tokens, float(len(plan.decodes)), plan.base_tokens - len(plan.decodes))
         self.proposer.begin_step(base)
         try:
             drafts = self.proposer.propose(plan.decodes, plan.ks)

@@ -305,7 +305,7 @@ class AutoProposer(Proposer):
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
             # The head's chains are judged draft by draft against the step without the head's own estimates.
-            self.head.begin_step(StepBase(price.rows - head_rows, price.step.expected - head_gain))
+            self.head.begin_step(StepBase(price.rows - head_rows, price.step.expected - head_gain, price.prefill_rows))
             for i, d in zip(idx, self.head.propose([seqs[i] for i in idx], [head_ks[i] for i in idx])):
                 if d.tokens:
                     drafts[i] = d

@@ -149,10 +149,21 @@ def best_cut(chances: list[float], factor: float, price: StepPrice) -> tuple[flo
 class StepBase:
     """The step a round's drafts join, before any draft: the rows its forward feeds (each decoding sequence's
     next token and every prefill chunk) and the tokens it emits (one per decoding sequence). The engine hands
-    it to the proposer each step (Proposer.begin_step): a draft's price is what it adds to this step."""
+    it to the proposer each step (Proposer.begin_step): a draft's price is what it adds to this step.
+
+    prefill_rows: how many of the rows are prefill chunks. A draft's row is priced at the margin of the whole step,
+    but the rate it must beat is the decoding rows' alone (their tokens over their forward time): the chunks'
+    time buys no token this step, and counted in, it would make the step's tokens per second so low that a draft
+    of any acceptance looked worth its row beside a long prompt."""
 
     rows: int
     expected: float
+    prefill_rows: int = 0
+
+    @property
+    def decoding_rows(self) -> int:
+        """The rows whose forward time the step's tokens are set against (every row but the prefill chunks')."""
+        return self.rows - self.prefill_rows
 
     @classmethod
     def alone(cls, num_seqs: int) -> StepBase:
@@ -185,7 +196,9 @@ class StepPrice:
     def __init__(self, verify: CostModel | None, base: StepBase) -> None:
         self.verify = verify
         self.rows = base.rows
-        self.step = StepYield(base.expected, self._seconds(base.rows))
+        self.prefill_rows = base.prefill_rows
+        # the rows added cost what they add to the whole step; the rate to beat is the decoding rows' (StepBase)
+        self.step = StepYield(base.expected, self._seconds(base.decoding_rows))
 
     def _seconds(self, rows: int) -> float:
         return self.verify(rows) if self.verify is not None else 1.0
@@ -303,7 +316,10 @@ class KPolicy:
         lookup = self.lookup_cost()
         host = self.host(len(seqs))  # once, with the first sequence let draft
         ks = [0] * len(seqs)
-        step = StepYield(float(len(seqs)), self.target_cost(base_tokens))
+        # Drafts cost what they add to the whole step, prefill chunks included, and must beat the decoding
+        # rows' own rate (StepBase): the chunks' time is taken out of the step's seconds.
+        chunks = self.target_cost(base_tokens) - self.target_cost(len(seqs))
+        step = StepYield(float(len(seqs)), self.target_cost(len(seqs)))
         tokens, drafting, max_k = base_tokens, 0, 0
         # Max-heap of each sequence's gain from one more draft.
         heap = [(-a, i) for i, a in enumerate(alphas) if a > 0 and caps[i] > 0]
@@ -313,7 +329,7 @@ class KPolicy:
             new_drafting = drafting + (ks[i] == 0)
             new_max_k = max(max_k, ks[i] + 1)
             passes = new_max_k * self.draft_pass_cost(new_drafting)
-            new_cost = self.target_cost(tokens + 1) + passes + new_drafting * lookup + host
+            new_cost = self.target_cost(tokens + 1) - chunks + passes + new_drafting * lookup + host
             if not step.pays(-neg_gain, new_cost - step.seconds):
                 break
             step.add(-neg_gain, new_cost - step.seconds)
@@ -344,7 +360,7 @@ class ChainJudge:
         self.verify = verify
         self.head_pass = head_pass
         self.rows = base.rows
-        self.step = StepYield(base.expected, verify(base.rows))
+        self.step = StepYield(base.expected, verify(base.decoding_rows))  # the rate to beat: StepBase
         self.chance = [1.0] * num_seqs
         self.step_share = 0.0
 
