@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specstream.errors import InvalidRequestError
+from specstream.kernels import cpu as cpu_kernels
 
 _MASK64 = (1 << 64) - 1
 # Independent uniform streams per output position.
@@ -273,3 +274,22 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # right=True skips zero-probability tokens when the target lands on a boundary.
     idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+    """A token per row of logits [R, V] from its distribution (probabilities_for) by its uniform [R]: what plain
+    decoding and every one-hot verification draw, so that both draw the same token. Rows without top-k or top-p,
+    float32 on CPU, take specstream's kernel (kernels/csrc/sample_rows.cpp: three passes over the logits and no
+    [R, V] tensor made) where it is loaded; the others probabilities_for and sample_from. The kernel and the torch
+    ops round differently, so where both serve they draw the same token except where the uniform falls within
+    rounding of two tokens' boundary."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.shape[0] > 0
+        and cpu_kernels.loaded()
+        and not any(p.top_k > 0 or p.top_p < 1 for p in row_params)
+    ):
+        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
+        return torch.ops.specstream.sample_rows(logits, temperature, uniforms.to(torch.float64))
+    return sample_from(probabilities_for(logits, row_params), uniforms)

@@ -131,3 +131,70 @@ def test_rows_without_a_filter_get_the_same_probabilities_by_the_short_path():
     assert torch.equal(probabilities_for(logits, plain), full)
     mixed = probabilities_for(logits, plain[:2] + [SamplingParams(temperature=1.3, top_k=5)])
     assert torch.equal(mixed[:2], full[:2]) and int((mixed[2] > 0).sum()) == 5
+
+
+# ---------------------------------------------------------------------------------------------------- draw
+def _loaded_kernels():
+    import shutil
+
+    from specstream.kernels import cpu as cpu_kernels
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++: the kernels cannot be built (make setup installs it)")
+    assert cpu_kernels.load(), "the kernels should build where g++ is installed"
+
+
+def _torch_draw(logits, params, us):
+    from specstream.sampling import probabilities_for, sample_from
+
+    return sample_from(probabilities_for(logits, params), us)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 49152, 49189])
+def test_the_sampling_kernel_draws_the_tokens_torchs_ops_draw(vocab):
+    """sampling.draw's kernel (csrc/sample_rows.cpp) against softmax and the float64 running sum: the same token
+    for every row (they round differently, so they could differ only where a uniform falls within rounding of a
+    boundary, which these draws do not), each row's token the same alone as among others, and none of zero
+    probability however the uniform rounds."""
+    from specstream.sampling import draw
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(vocab)
+    rows = 400
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[:, ::5] = float("-inf")
+    logits[:, -3:] = float("-inf")  # a masked tail: a uniform rounded to the total must not land there
+    params = [SamplingParams(temperature=[0.3, 0.7, 1.0, 1.6][i % 4]) for i in range(rows)]
+    us = torch.rand(rows, generator=g, dtype=torch.float64)
+    drawn = draw(logits, params, us)
+    assert drawn.tolist() == _torch_draw(logits, params, us).tolist()
+    alone = [int(draw(logits[i : i + 1], params[i : i + 1], us[i : i + 1])[0]) for i in range(0, rows, 37)]
+    assert alone == drawn[::37].tolist()
+    for edge in (0.0, 1 - 2**-53):
+        picked = draw(logits, params, torch.full((rows,), edge, dtype=torch.float64))
+        assert torch.isfinite(logits.gather(1, picked[:, None])).all()
+
+
+def test_the_sampling_kernel_draws_each_token_at_its_probability():
+    from specstream.sampling import draw, probabilities_for
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.tensor([[0.5, float("-inf"), 2.0, -1.0, 1.0]])
+    params = [SamplingParams(temperature=0.8)]
+    n = 40000
+    samples = draw(logits.expand(n, -1), params * n, torch.rand(n, generator=g, dtype=torch.float64))
+    p = probabilities_for(logits, params)[0].double()
+    freq = torch.bincount(samples, minlength=5).double() / n
+    assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1.0 / n).all(), (freq.tolist(), p.tolist())
+
+
+def test_rows_with_top_k_or_top_p_are_drawn_by_torchs_ops():
+    from specstream.sampling import draw
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 1000, generator=g) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.5 if i % 2 else 1.0, top_k=20 if i % 3 == 0 else 0) for i in range(64)]
+    us = torch.rand(64, generator=g, dtype=torch.float64)
+    assert draw(logits, params, us).tolist() == _torch_draw(logits, params, us).tolist()

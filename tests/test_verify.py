@@ -116,17 +116,17 @@ def test_one_hot_rounds_draw_the_rows_their_walk_reaches_and_the_same_tokens_as_
     distribution and the same uniform), so the emitted tokens are those; and the rows computed are the rows
     reached, one per round and accepted draft."""
     import specstream.spec_decode.verify as verify
-    from specstream.sampling import STREAM_SAMPLE, SamplingParams, probabilities_for, uniform
+    from specstream.sampling import STREAM_SAMPLE, SamplingParams, draw, uniform
     from specstream.sequence import Sequence
     from specstream.spec_decode.proposer import Draft
 
     computed = []
 
-    def counting(rows, params):
+    def counting(rows, params, us):
         computed.append(rows.shape[0])
-        return probabilities_for(rows, params)
+        return draw(rows, params, us)
 
-    monkeypatch.setattr(verify, "probabilities_for", counting)
+    monkeypatch.setattr(verify, "draw", counting)
     g = torch.Generator().manual_seed(11)
     vocab = 12
     for trial in range(40):
@@ -143,9 +143,8 @@ def test_one_hot_rounds_draw_the_rows_their_walk_reaches_and_the_same_tokens_as_
         computed.clear()
         results = verify.verify_round(rounds)
         for r, res in zip(rounds, results):
-            probs = probabilities_for(r.logits, [r.seq.params] * (r.k + 1))
             us = torch.tensor([uniform(r.seq.seed, r.seq.num_output_tokens + i, STREAM_SAMPLE) for i in range(r.k + 1)], dtype=torch.float64)
-            every_row = sample_from(probs, us).tolist()
+            every_row = draw(r.logits, [r.seq.params] * (r.k + 1), us).tolist()
             n = 0
             while n < r.k and every_row[n] == r.draft.tokens[n]:
                 n += 1

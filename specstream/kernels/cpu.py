@@ -10,6 +10,8 @@
 - `a8_linear`: 8-bit activations times GGUF blocks, summed as integers (csrc/a8_linear.cpp).
 - `rms_norm`: RMSNorm with one summation order per row, so that the eager forward and the compiled steps
   (which otherwise sum a row's squares in different orders) normalize a row to the same bits.
+- `sample_rows`: a token per row drawn from softmax(logits / temperature) with the row's uniform, in three
+  passes over the logits (sampling.draw).
 
 The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
 machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
@@ -37,7 +39,7 @@ from specstream.cache import cache_dir, point_inductor_here
 
 log = logging.getLogger("specstream.kernels.cpu")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp", "rms_norm.cpp", "sample_rows.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 
 _lib = torch.library.Library("specstream", "DEF")
@@ -50,6 +52,7 @@ _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int p
 _lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
 _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_lib.define("sample_rows(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -75,6 +78,11 @@ def _a8_linear_shape(x, codes, scales, mins, path=-1):
 @torch.library.register_fake("specstream::rms_norm")
 def _rms_norm_shape(x, weight, eps):
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("specstream::sample_rows")
+def _sample_rows_shape(logits, temperature, uniforms):
+    return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 @torch.library.register_fake("specstream::a8_quantize")

@@ -42,7 +42,16 @@ import torch
 
 from specstream.model.runner import tree_depths
 from specstream.spec_decode.proposer import Draft
-from specstream.sampling import STREAM_ACCEPT, STREAM_SAMPLE, STREAM_TREE_ACCEPT, apply_penalties, probabilities_for, sample_from, uniform
+from specstream.sampling import (
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    STREAM_TREE_ACCEPT,
+    apply_penalties,
+    draw,
+    probabilities_for,
+    sample_from,
+    uniform,
+)
 from specstream.sequence import Sequence
 
 
@@ -139,15 +148,15 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
     sampled = [i for i, r in enumerate(rounds) if not r.seq.params.greedy]
     with_q = [i for i in sampled if rounds[i].draft.probs is not None and rounds[i].k and i not in trees]
     one_hot = [i for i in sampled if i not in with_q and i not in trees]
-    # The sampled trees and the rounds with q read every row's distribution; one-hot rounds compute theirs row by
-    # row as their walk reaches it (_verify_one_hot).
-    whole = [i for i in sampled if i not in one_hot]
+    # The sampled trees and the rounds with q read every row's distribution; one-hot rounds draw row by row as
+    # their walk reaches it (_verify_one_hot), and one-hot trees draw every row from its logits (sampling.draw).
+    whole = [i for i in sampled if i not in one_hot and rounds[i].draft.probs is not None]
     probs = dict(zip(whole, _probabilities([rounds[i] for i in whole], [logits[i] for i in whole])))
     results: list[RoundResult | None] = [None] * len(rounds)
     for i in sorted(trees):
         r = rounds[i]
         if r.seq.params.greedy or r.draft.probs is None:
-            results[i] = _verify_tree(r, logits[i] if r.seq.params.greedy else probs[i])
+            results[i] = _verify_tree(r, logits[i])
         else:
             results[i] = _verify_tree_with_q(r, probs[i])
     for idx, verify, inputs in (
@@ -206,7 +215,7 @@ def draft_depths(parents: list[int]) -> list[int]:
 
 def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
     """Walk a draft tree from its root while the target's own token at a row is one of the row's children.
-    rows: the round's penalized logits (greedy) or probabilities (sampled), [k + 1, V]."""
+    rows: the round's penalized logits, [k + 1, V]."""
     parents = r.draft.parents
     if r.seq.params.greedy:
         choice = rows.argmax(-1).tolist()
@@ -215,7 +224,7 @@ def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
         depth = [0] + draft_depths(parents)
         pos = r.seq.num_output_tokens
         us = torch.tensor([uniform(r.seq.seed, pos + d, STREAM_SAMPLE) for d in depth], dtype=torch.float64, device=rows.device)
-        choice = sample_from(rows, us).tolist()
+        choice = draw(rows, [r.seq.params] * len(depth), us).tolist()
     children: dict[int, dict[int, int]] = {}
     for j, (tok, p) in enumerate(zip(r.draft.tokens, parents)):
         children.setdefault(p + 1, {}).setdefault(tok, j)
@@ -278,14 +287,13 @@ def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[li
     live, depth = list(range(len(rounds))), 0
     while live:
         rows = torch.stack([logits[i][depth] for i in live])
-        probs = probabilities_for(rows, [rounds[i].seq.params for i in live])
         us = torch.tensor(
             [uniform(rounds[i].seq.seed, rounds[i].seq.num_output_tokens + depth, STREAM_SAMPLE) for i in live],
             dtype=torch.float64,
             device=rows.device,
         )
         going = []
-        for i, y in zip(live, sample_from(probs, us).tolist()):
+        for i, y in zip(live, draw(rows, [rounds[i].seq.params for i in live], us).tolist()):
             draft = rounds[i].draft.tokens
             if depth < len(draft) and y == draft[depth]:
                 accepted[i] += 1

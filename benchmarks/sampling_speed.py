@@ -1,0 +1,68 @@
+"""Sampled decoding with the sampling kernel (kernels/csrc/sample_rows.cpp, through sampling.draw) against
+torch's ops (probabilities_for and sample_from), side by side in one process: one engine, the two draws
+alternated group by group of open-chat conversations (the trace of benchmarks/open_chat_trace.py, whose
+data it fetches), each group's conversations run side by side as a batch. Prints tokens/s of each and
+their ratio per number of streams.
+
+    python benchmarks/sampling_speed.py                                  # plain decoding, T=0.7, 1/8/32 streams
+    python benchmarks/sampling_speed.py --method auto --temperature 1.0 --streams 8 --groups 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import types
+
+import torch
+
+from draft_hint import build, converse_together
+from open_chat_trace import load_trace
+from quant_forward import cpu_name
+import specstream.sampling as sampling
+from specstream import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="off", help="speculative method of the engine (default: off, plain decoding)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--groups", type=int, default=4, help="groups of conversations per stream count, the draws alternated")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args()
+    if not 0 < args.temperature <= 2:
+        raise SystemExit("--temperature must be in (0, 2]: greedy rows are not drawn")
+    if not 2 <= args.groups <= 20 or not all(1 <= s <= 64 for s in args.streams):
+        raise SystemExit("--groups must be 2-20 and --streams 1-64")
+    torch.set_num_threads(2)
+    chat = load_trace()["chat"]
+    engine = build(args.method)
+    kernel = sampling.cpu_kernels
+    if not kernel.loaded():
+        raise SystemExit("specstream's CPU kernels are not loaded here: nothing to compare")
+    torch_ops = types.SimpleNamespace(loaded=lambda: False)  # sampling.draw then takes torch's ops
+    warm = 16
+    for i in range(0, warm, 8):  # the compiled forward's shapes, the cost curve
+        converse_together(engine, chat[i : i + 8], SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    print(f"{args.method}, T={args.temperature}, {args.max_tokens} tokens a turn; CPU: {cpu_name()}; 2 threads")
+    for streams in args.streams:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
+        totals = {"kernel": [0, 0.0], "torch": [0, 0.0]}
+        at = warm
+        for g in range(args.groups):
+            convs = chat[at : at + streams]
+            at = at + streams if at + 2 * streams <= len(chat) else warm
+            for name in ("kernel", "torch") if g % 2 == 0 else ("torch", "kernel"):
+                sampling.cpu_kernels = kernel if name == "kernel" else torch_ops
+                start = time.perf_counter()
+                tokens, _, _ = converse_together(engine, convs, params)
+                totals[name][0] += tokens
+                totals[name][1] += time.perf_counter() - start
+        sampling.cpu_kernels = kernel
+        k, t = (totals[n][0] / totals[n][1] for n in ("kernel", "torch"))
+        print(f"{streams} streams: kernel {k:.1f} tok/s, torch's ops {t:.1f} tok/s, {k / t:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
