@@ -291,5 +291,6 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
         and not any(p.top_k > 0 or p.top_p < 1 for p in row_params)
     ):
         temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
-        return torch.ops.specstream.sample_rows(logits, temperature, uniforms.to(torch.float64))
+        # The kernel reads rows with a unit last stride: a view of another layout is copied first.
+        return torch.ops.specstream.sample_rows(logits.contiguous(), temperature, uniforms.to(torch.float64))
     return sample_from(probabilities_for(logits, row_params), uniforms)

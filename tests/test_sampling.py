@@ -173,6 +173,8 @@ def test_the_sampling_kernel_draws_the_tokens_torchs_ops_draw(vocab):
     for edge in (0.0, 1 - 2**-53):
         picked = draw(logits, params, torch.full((rows,), edge, dtype=torch.float64))
         assert torch.isfinite(logits.gather(1, picked[:, None])).all()
+    transposed = logits.t().contiguous().t()  # the same rows laid out column by column
+    assert draw(transposed, params, us).tolist() == drawn.tolist()
 
 
 def test_the_sampling_kernel_draws_each_token_at_its_probability():
