@@ -6,6 +6,7 @@ their ratio per number of streams.
 
     python benchmarks/sampling_speed.py                                  # plain decoding, T=0.7, 1/8/32 streams
     python benchmarks/sampling_speed.py --method auto --temperature 1.0 --streams 8 --groups 6
+    python benchmarks/sampling_speed.py --top-p 0.9 --streams 1 8        # rows cut to their top-p (torch sorts)
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="off", help="speculative method of the engine (default: off, plain decoding)")
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--groups", type=int, default=4, help="groups of conversations per stream count, the draws alternated")
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
     if not 0 < args.temperature <= 2:
         raise SystemExit("--temperature must be in (0, 2]: greedy rows are not drawn")
+    if not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise SystemExit("--top-p must be in (0, 1] and --top-k at least 0")
     if not 2 <= args.groups <= 20 or not all(1 <= s <= 64 for s in args.streams):
         raise SystemExit("--groups must be 2-20 and --streams 1-64")
     torch.set_num_threads(2)
@@ -45,9 +50,10 @@ def main() -> None:
     warm = 16
     for i in range(0, warm, 8):  # the compiled forward's shapes, the cost curve
         converse_together(engine, chat[i : i + 8], SamplingParams(max_tokens=args.max_tokens, temperature=0))
-    print(f"{args.method}, T={args.temperature}, {args.max_tokens} tokens a turn; CPU: {cpu_name()}; 2 threads")
+    print(f"{args.method}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, {args.max_tokens} tokens a turn; "
+          f"CPU: {cpu_name()}; 2 threads")
     for streams in args.streams:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=1)
         totals = {"kernel": [0, 0.0], "torch": [0, 0.0]}
         at = warm
         for g in range(args.groups):

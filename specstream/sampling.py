@@ -278,19 +278,16 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
     """A token per row of logits [R, V] from its distribution (probabilities_for) by its uniform [R]: what plain
-    decoding and every one-hot verification draw, so that both draw the same token. Rows without top-k or top-p,
-    float32 on CPU, take specstream's kernel (kernels/csrc/sample_rows.cpp: three passes over the logits and no
-    [R, V] tensor made) where it is loaded; the others probabilities_for and sample_from. The kernel and the torch
-    ops round differently, so where both serve they draw the same token except where the uniform falls within
-    rounding of two tokens' boundary."""
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.shape[0] > 0
-        and cpu_kernels.loaded()
-        and not any(p.top_k > 0 or p.top_p < 1 for p in row_params)
-    ):
+    decoding and every one-hot verification draw, so that both draw the same token. float32 rows on CPU take
+    specstream's kernel where it is loaded (kernels/csrc/sample_rows.cpp: a few passes over the logits, a selection
+    of the best tokens for top-k and top-p instead of a sort of the vocabulary, and no [R, V] tensor made); others
+    probabilities_for and sample_from. The kernel and the torch ops round differently (and order tied logits
+    differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
+    before a token against top_p, falls within rounding of a boundary."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[0] > 0 and cpu_kernels.loaded():
         temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32)
         # The kernel reads rows with a unit last stride: a view of another layout is copied first.
-        return torch.ops.specstream.sample_rows(logits.contiguous(), temperature, uniforms.to(torch.float64))
+        return torch.ops.specstream.sample_rows(logits.contiguous(), temperature, top_k, top_p, uniforms.to(torch.float64))
     return sample_from(probabilities_for(logits, row_params), uniforms)

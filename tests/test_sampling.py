@@ -191,12 +191,21 @@ def test_the_sampling_kernel_draws_each_token_at_its_probability():
     assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1.0 / n).all(), (freq.tolist(), p.tolist())
 
 
-def test_rows_with_top_k_or_top_p_are_drawn_by_torchs_ops():
-    from specstream.sampling import draw
+@pytest.mark.parametrize("vocab", [9, 1000, 49152])
+def test_the_sampling_kernel_cuts_to_top_k_and_top_p_as_torchs_ops_do(vocab):
+    """Rows with top-k, top-p or both (every pair of settings, k past the vocabulary and k = 1 among them) draw
+    the tokens torch's sort-based cut draws, never one the cut dropped; rows of different settings share a call."""
+    from specstream.sampling import draw, probabilities_for
 
     _loaded_kernels()
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(64, 1000, generator=g) * 3
-    params = [SamplingParams(temperature=0.7, top_p=0.5 if i % 2 else 1.0, top_k=20 if i % 3 == 0 else 0) for i in range(64)]
-    us = torch.rand(64, generator=g, dtype=torch.float64)
-    assert draw(logits, params, us).tolist() == _torch_draw(logits, params, us).tolist()
+    g = torch.Generator().manual_seed(vocab)
+    settings = [(k, p) for k in (0, 1, 3, 40, 5000) for p in (1.0, 0.99, 0.9, 0.5, 0.05)]
+    rows = 12 * len(settings)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")
+    params = [SamplingParams(temperature=(0.5, 0.7, 1.3)[i % 3], top_k=settings[i % len(settings)][0], top_p=settings[i % len(settings)][1])
+              for i in range(rows)]
+    us = torch.rand(rows, generator=g, dtype=torch.float64)
+    drawn = draw(logits, params, us)
+    assert drawn.tolist() == _torch_draw(logits, params, us).tolist()
+    assert (probabilities_for(logits, params).gather(1, drawn[:, None]) > 0).all()

@@ -1,15 +1,19 @@
-// One token per row drawn from softmax(logits / temperature) by inverse CDF, with the row's own uniform: what
-// plain decoding and every one-hot verification of a sampled request draw (sampling.draw).
+// One token per row drawn from softmax(logits / temperature), cut to its top-k and top-p where the row asks, by
+// inverse CDF with the row's own uniform: what plain decoding and every one-hot verification of a sampled request
+// draw (sampling.draw).
 //
 // Why. The torch version divides the logits by the temperature, takes the softmax, sums the probabilities into
 // a float64 running sum and searches it: four passes over [rows, vocabulary], three new tensors, and a running
-// sum that is a scalar loop over every token. At 8 sampled rows of a 49k vocabulary that was a measurable share
-// of a decode step's host work. Here each row takes three passes over its logits, and the running sum runs over
-// one block of tokens only.
+// sum that is a scalar loop over every token. A row with top-k or top-p sorts its whole vocabulary first, which
+// cost more than the step's forward. Here each row takes three passes over its logits, a selection of its best
+// tokens where it is cut, and the running sum runs over one block of tokens only.
 //
 // Numbers, per row (each row on its own: its token never depends on the other rows of the call or on threads):
 //   y_j = x_j / t (float32, as torch divides), m = max_j y_j, e_j = exp(y_j - m) (float32, within 2 ulp: the
 //   vectorized exp_u20, faster than the exp torch's softmax takes);
+//   top-k (k > 0): the k tokens of largest logit are kept (among equal logits the lower ids first; torch's sort
+//   breaks such ties its own way), the others' e_j set to 0; top-p (p < 1): the kept tokens in that order, each
+//   kept while the mass of those before it (float64, over the kept tokens' total) is below p, the first always;
 //   block sums: e over blocks of kBlock tokens, each summed in float64 over kLanes lanes in a fixed order;
 //   total = the block sums added in order (float64); target = u * total;
 //   the token: walking the blocks, running sums before each block, the first block whose end passes the target;
@@ -24,7 +28,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -44,7 +50,56 @@ inline int64_t last_with_mass(const float* e, int64_t begin, int64_t end) {
   return -1;
 }
 
-int64_t draw_row(const float* x, int64_t vocab, float temperature, double u, float* e, double* sums) {
+// A candidate token: its logit and id, ordered best first (the larger logit; of equal logits, the lower id).
+struct Candidate {
+  float logit;
+  int32_t id;
+  bool operator<(const Candidate& o) const { return logit > o.logit || (logit == o.logit && id < o.id); }
+};
+
+// Sets e_j to 0 for the tokens that top-k (k > 0) and top-p (p < 1) cut (see above). x orders the tokens (the
+// logits: the same order as x / t), e holds their masses; cand is scratch.
+void cut_row(const float* x, int64_t vocab, int64_t k, float p, float* e, std::vector<Candidate>& cand) {
+  cand.clear();
+  for (int64_t j = 0; j < vocab; ++j)
+    if (e[j] > 0.f) cand.push_back({x[j], static_cast<int32_t>(j)});  // a token of no mass is never drawn either way
+  const size_t positive = cand.size();
+  size_t keep = positive;
+  if (k > 0 && static_cast<size_t>(k) < keep) {
+    std::nth_element(cand.begin(), cand.begin() + k, cand.end());
+    keep = static_cast<size_t>(k);
+    cand.resize(keep);
+  }
+  if (p < 1.f && keep > 1) {
+    double total = 0.0;
+    for (const Candidate& c : cand) total += static_cast<double>(e[c.id]);
+    // The best tokens in order, a growing prefix at a time: top-p usually keeps few of them.
+    size_t sorted = 0, n = std::min<size_t>(64, keep), cut = keep;
+    double before = 0.0;
+    while (cut == keep && sorted < keep) {
+      std::partial_sort(cand.begin() + sorted, cand.begin() + n, cand.end());
+      for (size_t i = sorted; i < n; ++i) {
+        if (i > 0 && before / total >= static_cast<double>(p)) {
+          cut = i;
+          break;
+        }
+        before += static_cast<double>(e[cand[i].id]);
+      }
+      sorted = n;
+      n = std::min(keep, n * 4);
+    }
+    keep = cut;
+    cand.resize(keep);
+  }
+  if (keep == positive) return;
+  std::vector<uint8_t> kept(vocab, 0);
+  for (const Candidate& c : cand) kept[c.id] = 1;
+  for (int64_t j = 0; j < vocab; ++j)
+    if (!kept[j]) e[j] = 0.f;
+}
+
+int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, double u, float* e,
+                 double* sums, std::vector<Candidate>& cand) {
   const int64_t body = vocab / Vec::size() * Vec::size();
   const Vec vt(temperature);
   Vec vmax(-std::numeric_limits<float>::infinity());
@@ -61,6 +116,7 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, double u, flo
   const Vec vtop(top);
   for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) - vtop).exp_u20().store(e + j);
   for (int64_t j = body; j < vocab; ++j) e[j] = std::exp(e[j] - top);
+  if ((top_k > 0 && top_k < vocab) || top_p < 1.f) cut_row(x, vocab, top_k, top_p, e, cand);
   const int64_t blocks = (vocab + kBlock - 1) / kBlock;
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -94,28 +150,35 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, double u, flo
   return last >= 0 ? last : vocab - 1;
 }
 
-// logits [rows, vocab] float32 (unit last stride), temperature [rows] float32 (> 0), uniforms [rows] float64 in
-// [0, 1). Returns [rows] int64.
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& uniforms) {
+// logits [rows, vocab] float32 (unit last stride), temperature [rows] float32 (> 0), top_k [rows] int64 (0: none),
+// top_p [rows] float32 (1: none), uniforms [rows] float64 in [0, 1). Returns [rows] int64.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
               "sample_rows: float32 logits [rows, vocab] with a unit last stride");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0, "sample_rows: an empty vocabulary");
-  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == rows && temperature.scalar_type() == at::kFloat,
-              "sample_rows: float32 temperature [rows]");
-  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows && uniforms.scalar_type() == at::kDouble,
-              "sample_rows: float64 uniforms [rows]");
-  const at::Tensor t = temperature.contiguous(), u = uniforms.contiguous();
+  TORCH_CHECK(vocab > 0 && vocab <= std::numeric_limits<int32_t>::max(), "sample_rows: a vocabulary of 1 to 2^31 - 1");
+  const auto per_row = [rows](const at::Tensor& t, at::ScalarType type) {
+    return t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type;
+  };
+  TORCH_CHECK(per_row(temperature, at::kFloat) && per_row(top_k, at::kLong) && per_row(top_p, at::kFloat) &&
+                  per_row(uniforms, at::kDouble),
+              "sample_rows: [rows] temperature (float32), top_k (int64), top_p (float32) and uniforms (float64)");
+  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(), u = uniforms.contiguous();
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   const float* tp = t.data_ptr<float>();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  const float* pp = p.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(vocab);
     std::vector<double> sums((vocab + kBlock - 1) / kBlock);
-    for (int64_t r = begin; r < end; ++r) op[r] = draw_row(x + r * stride, vocab, tp[r], up[r], e.data(), sums.data());
+    std::vector<Candidate> cand;
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = draw_row(x + r * stride, vocab, tp[r], kp[r], pp[r], up[r], e.data(), sums.data(), cand);
   });
   return out;
 }
