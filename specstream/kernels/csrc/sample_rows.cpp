@@ -63,13 +63,16 @@ void cut_row(const float* x, int64_t vocab, int64_t k, float p, float* e, std::v
   cand.clear();
   for (int64_t j = 0; j < vocab; ++j)
     if (e[j] > 0.f) cand.push_back({x[j], static_cast<int32_t>(j)});  // a token of no mass is never drawn either way
-  const size_t positive = cand.size();
-  size_t keep = positive;
-  if (k > 0 && static_cast<size_t>(k) < keep) {
-    std::nth_element(cand.begin(), cand.begin() + k, cand.end());
-    keep = static_cast<size_t>(k);
+  // The candidates from `keep` on are cut: their masses go to 0.
+  const auto cut_from = [&](size_t keep) {
+    for (size_t i = keep; i < cand.size(); ++i) e[cand[i].id] = 0.f;
     cand.resize(keep);
+  };
+  if (k > 0 && static_cast<size_t>(k) < cand.size()) {
+    std::nth_element(cand.begin(), cand.begin() + k, cand.end());
+    cut_from(static_cast<size_t>(k));
   }
+  const size_t keep = cand.size();
   if (p < 1.f && keep > 1) {
     double total = 0.0;
     for (const Candidate& c : cand) total += static_cast<double>(e[c.id]);
@@ -88,14 +91,8 @@ void cut_row(const float* x, int64_t vocab, int64_t k, float p, float* e, std::v
       sorted = n;
       n = std::min(keep, n * 4);
     }
-    keep = cut;
-    cand.resize(keep);
+    cut_from(cut);
   }
-  if (keep == positive) return;
-  std::vector<uint8_t> kept(vocab, 0);
-  for (const Candidate& c : cand) kept[c.id] = 1;
-  for (int64_t j = 0; j < vocab; ++j)
-    if (!kept[j]) e[j] = 0.f;
 }
 
 int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, double u, float* e,
