@@ -1,12 +1,15 @@
-"""Sampled decoding with the sampling kernel (kernels/csrc/sample_rows.cpp, through sampling.draw) against
-torch's ops (probabilities_for and sample_from), side by side in one process: one engine, the two draws
-alternated group by group of open-chat conversations (the trace of benchmarks/open_chat_trace.py, whose
-data it fetches), each group's conversations run side by side as a batch. Prints tokens/s of each and
-their ratio per number of streams.
+"""Sampled decoding with the sampling kernels (kernels/csrc/sample_rows.cpp: sampling.draw's token and
+probabilities_for's distributions) against torch's ops (torch_probabilities_for and sample_from), side by side in
+one process: one engine, the two alternated group by group of open-chat conversations (the trace of
+benchmarks/open_chat_trace.py, whose data it fetches), each group's conversations run side by side as a batch.
+Prints tokens/s of each and their ratio per number of streams (and, where the engine speculates, the tokens
+drafted and accepted with each).
 
     python benchmarks/sampling_speed.py                                  # plain decoding, T=0.7, 1/8/32 streams
     python benchmarks/sampling_speed.py --method auto --temperature 1.0 --streams 8 --groups 6
     python benchmarks/sampling_speed.py --top-p 0.9 --streams 1 8        # rows cut to their top-p (torch sorts)
+    python benchmarks/sampling_speed.py --method eagle --top-p 0.9 --streams 1 8   # the head's sampled drafts' q
+    python benchmarks/sampling_speed.py --rows 1 9 16 --top-p 0.9       # the distributions alone, no engine
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--groups", type=int, default=4, help="groups of conversations per stream count, the draws alternated")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rows", type=int, nargs="+", help="time probabilities_for alone on random logits of these row counts")
     args = ap.parse_args()
     if not 0 < args.temperature <= 2:
         raise SystemExit("--temperature must be in (0, 2]: greedy rows are not drawn")
@@ -41,6 +45,8 @@ def main() -> None:
     if not 2 <= args.groups <= 20 or not all(1 <= s <= 64 for s in args.streams):
         raise SystemExit("--groups must be 2-20 and --streams 1-64")
     torch.set_num_threads(2)
+    if args.rows:
+        return distributions(args)
     chat = load_trace()["chat"]
     engine = build(args.method)
     kernel = sampling.cpu_kernels
@@ -54,7 +60,7 @@ def main() -> None:
           f"CPU: {cpu_name()}; 2 threads")
     for streams in args.streams:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=1)
-        totals = {"kernel": [0, 0.0], "torch": [0, 0.0]}
+        totals = {"kernel": [0, 0.0, 0, 0], "torch": [0, 0.0, 0, 0]}
         at = warm
         for g in range(args.groups):
             convs = chat[at : at + streams]
@@ -62,12 +68,35 @@ def main() -> None:
             for name in ("kernel", "torch") if g % 2 == 0 else ("torch", "kernel"):
                 sampling.cpu_kernels = kernel if name == "kernel" else torch_ops
                 start = time.perf_counter()
-                tokens, _, _ = converse_together(engine, convs, params)
+                tokens, drafted, accepted = converse_together(engine, convs, params)
                 totals[name][0] += tokens
                 totals[name][1] += time.perf_counter() - start
+                totals[name][2] += drafted
+                totals[name][3] += accepted
         sampling.cpu_kernels = kernel
         k, t = (totals[n][0] / totals[n][1] for n in ("kernel", "torch"))
-        print(f"{streams} streams: kernel {k:.1f} tok/s, torch's ops {t:.1f} tok/s, {k / t:.2f}x", flush=True)
+        drafts = "".join(f", {n}: {totals[n][2]} drafted, {totals[n][3]} accepted" for n in totals if totals[n][2])
+        print(f"{streams} streams: kernel {k:.1f} tok/s, torch's ops {t:.1f} tok/s, {k / t:.2f}x{drafts}", flush=True)
+
+
+def distributions(args: argparse.Namespace) -> None:
+    """probabilities_for on random logits of the bundled model's vocabulary: the kernel against torch's ops,
+    alternated, the best of 30 runs each."""
+    if not sampling.cpu_kernels.load():
+        raise SystemExit("specstream's CPU kernels are not built here: nothing to compare")
+    print(f"probabilities_for, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, 49152 tokens; CPU: {cpu_name()}; 2 threads")
+    g = torch.Generator().manual_seed(0)
+    for rows in args.rows:
+        logits = torch.randn(rows, 49152, generator=g) * 3
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)] * rows
+        best = {"kernel": float("inf"), "torch": float("inf")}
+        for _ in range(30):
+            for name, fn in (("kernel", sampling.probabilities_for), ("torch", sampling.torch_probabilities_for)):
+                start = time.perf_counter()
+                fn(logits, params)
+                best[name] = min(best[name], time.perf_counter() - start)
+        k, t = best["kernel"] * 1e3, best["torch"] * 1e3
+        print(f"{rows} rows: kernel {k:.3f} ms, torch's ops {t:.3f} ms, {t / k:.1f}x faster", flush=True)
 
 
 if __name__ == "__main__":

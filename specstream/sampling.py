@@ -256,7 +256,19 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
-    """probabilities() with each row's temperature/top-k/top-p taken from its SamplingParams."""
+    """probabilities() with each row's temperature/top-k/top-p taken from its SamplingParams: the distribution a
+    sampled draft is drawn from (its q) and the rows verifying it (p). float32 rows on CPU take specstream's kernel
+    where it is loaded (kernels/csrc/sample_rows.cpp's probability_rows: the distribution sampling.draw's kernel
+    draws from, cut by a selection of the best tokens instead of a sort of the vocabulary, which for a row with
+    top-k or top-p cost more than the step's forward); others torch_probabilities_for. The two round differently,
+    and order tied logits differently for top-k."""
+    if _kernel_serves(logits):
+        return torch.ops.specstream.probability_rows(logits.contiguous(), *_kernel_columns(row_params))
+    return torch_probabilities_for(logits, row_params)
+
+
+def torch_probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
+    """probabilities_for in torch's ops (probabilities())."""
 
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in row_params], device=logits.device)
@@ -265,6 +277,19 @@ def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) ->
         # probabilities() without a filter, the same ops: its checks of the filters read two tensors back
         return (logits / column("temperature")[:, None]).softmax(-1)
     return probabilities(logits, column("temperature"), column("top_k"), column("top_p"))
+
+
+def _kernel_serves(logits: torch.Tensor) -> bool:
+    """Whether the sampling kernels take these logits: float32 rows on CPU, the kernels loaded."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[0] > 0 and cpu_kernels.loaded()
+
+
+def _kernel_columns(row_params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' temperature (float32), top_k (int64) and top_p (float32), as the sampling kernels take them."""
+    temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32)
+    return temperature, top_k, top_p
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -281,13 +306,11 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
     decoding and every one-hot verification draw, so that both draw the same token. float32 rows on CPU take
     specstream's kernel where it is loaded (kernels/csrc/sample_rows.cpp: a few passes over the logits, a selection
     of the best tokens for top-k and top-p instead of a sort of the vocabulary, and no [R, V] tensor made); others
-    probabilities_for and sample_from. The kernel and the torch ops round differently (and order tied logits
+    torch_probabilities_for and sample_from. The kernel and the torch ops round differently (and order tied logits
     differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
     before a token against top_p, falls within rounding of a boundary."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[0] > 0 and cpu_kernels.loaded():
-        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32)
+    if _kernel_serves(logits):
         # The kernel reads rows with a unit last stride: a view of another layout is copied first.
-        return torch.ops.specstream.sample_rows(logits.contiguous(), temperature, top_k, top_p, uniforms.to(torch.float64))
-    return sample_from(probabilities_for(logits, row_params), uniforms)
+        columns = _kernel_columns(row_params)
+        return torch.ops.specstream.sample_rows(logits.contiguous(), *columns, uniforms.to(torch.float64))
+    return sample_from(torch_probabilities_for(logits, row_params), uniforms)

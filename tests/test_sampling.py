@@ -121,15 +121,15 @@ def test_top_p_of_one_keeps_every_token_even_beside_a_top_p_row():
 
 
 def test_rows_without_a_filter_get_the_same_probabilities_by_the_short_path():
-    """probabilities_for skips the filters' checks where no row has top-k or top-p: the same bits as the
+    """torch_probabilities_for skips the filters' checks where no row has top-k or top-p: the same bits as the
     full function; a batch with one filtered row takes the full path for every row."""
-    from specstream.sampling import probabilities_for
+    from specstream.sampling import torch_probabilities_for
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     plain = [SamplingParams(temperature=t) for t in (0.7, 1.0, 1.3)]
     full = probabilities(logits, torch.tensor([0.7, 1.0, 1.3]), torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]))
-    assert torch.equal(probabilities_for(logits, plain), full)
-    mixed = probabilities_for(logits, plain[:2] + [SamplingParams(temperature=1.3, top_k=5)])
+    assert torch.equal(torch_probabilities_for(logits, plain), full)
+    mixed = torch_probabilities_for(logits, plain[:2] + [SamplingParams(temperature=1.3, top_k=5)])
     assert torch.equal(mixed[:2], full[:2]) and int((mixed[2] > 0).sum()) == 5
 
 
@@ -145,9 +145,9 @@ def _loaded_kernels():
 
 
 def _torch_draw(logits, params, us):
-    from specstream.sampling import probabilities_for, sample_from
+    from specstream.sampling import sample_from, torch_probabilities_for
 
-    return sample_from(probabilities_for(logits, params), us)
+    return sample_from(torch_probabilities_for(logits, params), us)
 
 
 @pytest.mark.parametrize("vocab", [7, 300, 49152, 49189])
@@ -178,7 +178,7 @@ def test_the_sampling_kernel_draws_the_tokens_torchs_ops_draw(vocab):
 
 
 def test_the_sampling_kernel_draws_each_token_at_its_probability():
-    from specstream.sampling import draw, probabilities_for
+    from specstream.sampling import draw, torch_probabilities_for
 
     _loaded_kernels()
     g = torch.Generator().manual_seed(3)
@@ -186,7 +186,7 @@ def test_the_sampling_kernel_draws_each_token_at_its_probability():
     params = [SamplingParams(temperature=0.8)]
     n = 40000
     samples = draw(logits.expand(n, -1), params * n, torch.rand(n, generator=g, dtype=torch.float64))
-    p = probabilities_for(logits, params)[0].double()
+    p = torch_probabilities_for(logits, params)[0].double()
     freq = torch.bincount(samples, minlength=5).double() / n
     assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1.0 / n).all(), (freq.tolist(), p.tolist())
 
@@ -195,7 +195,7 @@ def test_the_sampling_kernel_draws_each_token_at_its_probability():
 def test_the_sampling_kernel_cuts_to_top_k_and_top_p_as_torchs_ops_do(vocab):
     """Rows with top-k, top-p or both (every pair of settings, k past the vocabulary and k = 1 among them) draw
     the tokens torch's sort-based cut draws, never one the cut dropped; rows of different settings share a call."""
-    from specstream.sampling import draw, probabilities_for
+    from specstream.sampling import draw, torch_probabilities_for
 
     _loaded_kernels()
     g = torch.Generator().manual_seed(vocab)
@@ -208,4 +208,63 @@ def test_the_sampling_kernel_cuts_to_top_k_and_top_p_as_torchs_ops_do(vocab):
     us = torch.rand(rows, generator=g, dtype=torch.float64)
     drawn = draw(logits, params, us)
     assert drawn.tolist() == _torch_draw(logits, params, us).tolist()
-    assert (probabilities_for(logits, params).gather(1, drawn[:, None]) > 0).all()
+    assert (torch_probabilities_for(logits, params).gather(1, drawn[:, None]) > 0).all()
+
+
+def _cut_rows(vocab: int, seed: int):
+    """Rows of every pair of top-k and top-p settings (k past the vocabulary and k = 1 among them), at three
+    temperatures, with masked tokens: (logits, params)."""
+    g = torch.Generator().manual_seed(seed)
+    settings = [(k, p) for k in (0, 1, 3, 40, 5000) for p in (1.0, 0.99, 0.9, 0.5, 0.05)]
+    rows = 4 * len(settings)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")
+    params = [SamplingParams(temperature=(0.5, 0.7, 1.3)[i % 3], top_k=settings[i % len(settings)][0], top_p=settings[i % len(settings)][1])
+              for i in range(rows)]
+    return logits, params
+
+
+@pytest.mark.parametrize("vocab", [9, 1000, 49152, 49189])
+def test_the_probability_kernel_gives_torchs_distributions(vocab):
+    """probabilities_for's kernel (csrc/sample_rows.cpp's probability_rows) against torch's sort-based ops: the
+    same tokens kept (but where the mass before a token is within rounding of top_p: torch sums it in float32,
+    the kernel in float64), each probability within float32 rounding of torch's, each row summing to 1; a row's
+    probabilities the same bits alone as among others and as a column-major view."""
+    from specstream.sampling import probabilities_for, torch_probabilities_for
+
+    _loaded_kernels()
+    logits, params = _cut_rows(vocab, vocab + 1)
+    kernel, want = probabilities_for(logits, params), torch_probabilities_for(logits, params)
+    got = kernel.clone()
+    for i, j in ((got > 0) != (want > 0)).nonzero().tolist():
+        mass = (logits[i].double() / params[i].temperature).softmax(-1)
+        if params[i].top_k:
+            mass[mass.argsort(descending=True)[params[i].top_k :]] = 0.0
+        before = float(mass[logits[i] > logits[i, j]].sum() / mass.sum())
+        assert params[i].top_p < 1 and abs(before - params[i].top_p) < 1e-4, (before, params[i])
+        got[i, j] = want[i, j] = 0.0
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(kernel.double().sum(-1), torch.ones(len(params), dtype=torch.float64), atol=1e-5)
+    for i in range(0, len(params), 13):
+        assert torch.equal(probabilities_for(logits[i : i + 1], params[i : i + 1])[0], kernel[i])
+    assert torch.equal(probabilities_for(logits.t().contiguous().t(), params), kernel)
+
+
+def test_the_probability_kernel_is_the_distribution_the_sampling_kernel_draws_from():
+    """A round's q and p (probabilities_for) and plain decoding's token (draw) come from one distribution: inverse
+    CDF over probability_rows' rows picks draw's token (away from rounding at a boundary)."""
+    from specstream.sampling import draw, probabilities_for, sample_from
+
+    _loaded_kernels()
+    logits, params = _cut_rows(49152, 5)
+    us = torch.rand(len(params), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert sample_from(probabilities_for(logits, params), us).tolist() == draw(logits, params, us).tolist()
+
+
+def test_probabilities_for_takes_torchs_ops_where_the_kernel_does_not_serve():
+    """bfloat16 logits (and CUDA, and a machine without the kernels) take torch's ops, as before."""
+    from specstream.sampling import probabilities_for, torch_probabilities_for
+
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1)).bfloat16()
+    params = [SamplingParams(temperature=0.7, top_p=0.9)] * 3
+    assert torch.equal(probabilities_for(logits, params), torch_probabilities_for(logits, params))

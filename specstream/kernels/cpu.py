@@ -11,7 +11,8 @@
 - `rms_norm`: RMSNorm with one summation order per row, so that the eager forward and the compiled steps
   (which otherwise sum a row's squares in different orders) normalize a row to the same bits.
 - `sample_rows`: a token per row drawn from softmax(logits / temperature), cut to its top-k and top-p, with the
-  row's uniform, in a few passes over the logits and no sort of the vocabulary (sampling.draw).
+  row's uniform, in a few passes over the logits and no sort of the vocabulary (sampling.draw); and
+  `probability_rows`, the same distributions whole (sampling.probabilities_for).
 
 The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
 machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
@@ -53,6 +54,7 @@ _lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int p
 _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniforms) -> Tensor")
+_lib.define("probability_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -83,6 +85,11 @@ def _rms_norm_shape(x, weight, eps):
 @torch.library.register_fake("specstream::sample_rows")
 def _sample_rows_shape(logits, temperature, top_k, top_p, uniforms):
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+
+@torch.library.register_fake("specstream::probability_rows")
+def _probability_rows_shape(logits, temperature, top_k, top_p):
+    return logits.new_empty(logits.shape)
 
 
 @torch.library.register_fake("specstream::a8_quantize")

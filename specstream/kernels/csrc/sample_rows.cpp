@@ -1,6 +1,8 @@
 // One token per row drawn from softmax(logits / temperature), cut to its top-k and top-p where the row asks, by
 // inverse CDF with the row's own uniform: what plain decoding and every one-hot verification of a sampled request
-// draw (sampling.draw).
+// draw (sampling.draw, sample_rows). And the same distributions whole (probability_rows): what a sampled draft's q
+// and the rows verifying it take (sampling.probabilities_for), so that a round's p and q are cut the same way
+// plain decoding cuts.
 //
 // Why. The torch version divides the logits by the temperature, takes the softmax, sums the probabilities into
 // a float64 running sum and searches it: four passes over [rows, vocabulary], three new tensors, and a running
@@ -95,8 +97,9 @@ void cut_row(const float* x, int64_t vocab, int64_t k, float p, float* e, std::v
   }
 }
 
-int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, double u, float* e,
-                 double* sums, std::vector<Candidate>& cand) {
+// Each token's mass e_j = exp(x_j / t - m), 0 for the tokens the row's top-k and top-p cut (see above).
+void masses_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float* e,
+                std::vector<Candidate>& cand) {
   const int64_t body = vocab / Vec::size() * Vec::size();
   const Vec vt(temperature);
   Vec vmax(-std::numeric_limits<float>::infinity());
@@ -114,6 +117,10 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k
   for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) - vtop).exp_u20().store(e + j);
   for (int64_t j = body; j < vocab; ++j) e[j] = std::exp(e[j] - top);
   if ((top_k > 0 && top_k < vocab) || top_p < 1.f) cut_row(x, vocab, top_k, top_p, e, cand);
+}
+
+// The masses' sums over blocks of kBlock tokens (float64, kLanes lanes in a fixed order) into sums; their total.
+double block_sums(const float* e, int64_t vocab, double* sums) {
   const int64_t blocks = (vocab + kBlock - 1) / kBlock;
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -126,6 +133,14 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k
     sums[b] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
     total += sums[b];
   }
+  return total;
+}
+
+int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, double u, float* e,
+                 double* sums, std::vector<Candidate>& cand) {
+  masses_row(x, vocab, temperature, top_k, top_p, e, cand);
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  const double total = block_sums(e, vocab, sums);
   const double target = u * total;
   double before = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -147,20 +162,29 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k
   return last >= 0 ? last : vocab - 1;
 }
 
+// The checks both ops make of their arguments: float32 logits [rows, vocab] with a unit last stride, [rows]
+// temperature (float32, > 0), top_k (int64, 0: none) and top_p (float32, 1: none).
+void check_rows(const char* op, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                const at::Tensor& top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat, op,
+              ": float32 logits [rows, vocab] with a unit last stride");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0 && vocab <= std::numeric_limits<int32_t>::max(), op, ": a vocabulary of 1 to 2^31 - 1");
+  const auto per_row = [rows](const at::Tensor& t, at::ScalarType type) {
+    return t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type;
+  };
+  TORCH_CHECK(per_row(temperature, at::kFloat) && per_row(top_k, at::kLong) && per_row(top_p, at::kFloat), op,
+              ": [rows] temperature (float32), top_k (int64) and top_p (float32)");
+}
+
 // logits [rows, vocab] float32 (unit last stride), temperature [rows] float32 (> 0), top_k [rows] int64 (0: none),
 // top_p [rows] float32 (1: none), uniforms [rows] float64 in [0, 1). Returns [rows] int64.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
-              "sample_rows: float32 logits [rows, vocab] with a unit last stride");
+  check_rows("sample_rows", logits, temperature, top_k, top_p);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0 && vocab <= std::numeric_limits<int32_t>::max(), "sample_rows: a vocabulary of 1 to 2^31 - 1");
-  const auto per_row = [rows](const at::Tensor& t, at::ScalarType type) {
-    return t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type;
-  };
-  TORCH_CHECK(per_row(temperature, at::kFloat) && per_row(top_k, at::kLong) && per_row(top_p, at::kFloat) &&
-                  per_row(uniforms, at::kDouble),
-              "sample_rows: [rows] temperature (float32), top_k (int64), top_p (float32) and uniforms (float64)");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows && uniforms.scalar_type() == at::kDouble,
+              "sample_rows: [rows] uniforms (float64)");
   const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(), u = uniforms.contiguous();
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
@@ -180,6 +204,39 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   return out;
 }
 
+// The rows' distributions: softmax(logits / temperature) cut to each row's top-k and top-p, as sample_rows draws
+// from (the masses over their block sums' total, each mass then scaled by the total's float32 reciprocal). Same
+// arguments as sample_rows, without the uniforms; returns [rows, vocab] float32.
+at::Tensor probability_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                            const at::Tensor& top_p) {
+  check_rows("probability_rows", logits, temperature, top_k, top_p);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous();
+  at::Tensor out = at::empty({rows, vocab}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  const float* pp = p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> sums((vocab + kBlock - 1) / kBlock);
+    std::vector<Candidate> cand;
+    for (int64_t r = begin; r < end; ++r) {
+      float* e = op + r * vocab;
+      masses_row(x + r * stride, vocab, tp[r], kp[r], pp[r], e, cand);
+      const float scale = static_cast<float>(1.0 / block_sums(e, vocab, sums.data()));
+      const int64_t body = vocab / Vec::size() * Vec::size();
+      for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) * Vec(scale)).store(e + j);
+      for (int64_t j = body; j < vocab; ++j) e[j] *= scale;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(specstream, CPU, m) { m.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(specstream, CPU, m) {
+  m.impl("sample_rows", &sample_rows);
+  m.impl("probability_rows", &probability_rows);
+}
