@@ -191,6 +191,19 @@ def test_the_sampling_kernel_draws_each_token_at_its_probability():
     assert ((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1.0 / n).all(), (freq.tolist(), p.tolist())
 
 
+def _cut_rows(vocab: int, seed: int, per_setting: int = 4):
+    """Rows of every pair of top-k and top-p settings (k past the vocabulary and k = 1 among them), at three
+    temperatures, with masked tokens: (logits, params, the generator that made them)."""
+    g = torch.Generator().manual_seed(seed)
+    settings = [(k, p) for k in (0, 1, 3, 40, 5000) for p in (1.0, 0.99, 0.9, 0.5, 0.05)]
+    rows = per_setting * len(settings)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")
+    params = [SamplingParams(temperature=(0.5, 0.7, 1.3)[i % 3], top_k=settings[i % len(settings)][0], top_p=settings[i % len(settings)][1])
+              for i in range(rows)]
+    return logits, params, g
+
+
 @pytest.mark.parametrize("vocab", [9, 1000, 49152])
 def test_the_sampling_kernel_cuts_to_top_k_and_top_p_as_torchs_ops_do(vocab):
     """Rows with top-k, top-p or both (every pair of settings, k past the vocabulary and k = 1 among them) draw
@@ -198,30 +211,11 @@ def test_the_sampling_kernel_cuts_to_top_k_and_top_p_as_torchs_ops_do(vocab):
     from specstream.sampling import draw, torch_probabilities_for
 
     _loaded_kernels()
-    g = torch.Generator().manual_seed(vocab)
-    settings = [(k, p) for k in (0, 1, 3, 40, 5000) for p in (1.0, 0.99, 0.9, 0.5, 0.05)]
-    rows = 12 * len(settings)
-    logits = torch.randn(rows, vocab, generator=g) * 3
-    logits[:, ::7] = float("-inf")
-    params = [SamplingParams(temperature=(0.5, 0.7, 1.3)[i % 3], top_k=settings[i % len(settings)][0], top_p=settings[i % len(settings)][1])
-              for i in range(rows)]
-    us = torch.rand(rows, generator=g, dtype=torch.float64)
+    logits, params, g = _cut_rows(vocab, vocab, per_setting=12)
+    us = torch.rand(len(params), generator=g, dtype=torch.float64)
     drawn = draw(logits, params, us)
     assert drawn.tolist() == _torch_draw(logits, params, us).tolist()
     assert (torch_probabilities_for(logits, params).gather(1, drawn[:, None]) > 0).all()
-
-
-def _cut_rows(vocab: int, seed: int):
-    """Rows of every pair of top-k and top-p settings (k past the vocabulary and k = 1 among them), at three
-    temperatures, with masked tokens: (logits, params)."""
-    g = torch.Generator().manual_seed(seed)
-    settings = [(k, p) for k in (0, 1, 3, 40, 5000) for p in (1.0, 0.99, 0.9, 0.5, 0.05)]
-    rows = 4 * len(settings)
-    logits = torch.randn(rows, vocab, generator=g) * 3
-    logits[:, ::7] = float("-inf")
-    params = [SamplingParams(temperature=(0.5, 0.7, 1.3)[i % 3], top_k=settings[i % len(settings)][0], top_p=settings[i % len(settings)][1])
-              for i in range(rows)]
-    return logits, params
 
 
 @pytest.mark.parametrize("vocab", [9, 1000, 49152, 49189])
@@ -233,7 +227,7 @@ def test_the_probability_kernel_gives_torchs_distributions(vocab):
     from specstream.sampling import probabilities_for, torch_probabilities_for
 
     _loaded_kernels()
-    logits, params = _cut_rows(vocab, vocab + 1)
+    logits, params, _ = _cut_rows(vocab, vocab + 1)
     kernel, want = probabilities_for(logits, params), torch_probabilities_for(logits, params)
     got = kernel.clone()
     for i, j in ((got > 0) != (want > 0)).nonzero().tolist():
@@ -256,7 +250,7 @@ def test_the_probability_kernel_is_the_distribution_the_sampling_kernel_draws_fr
     from specstream.sampling import draw, probabilities_for, sample_from
 
     _loaded_kernels()
-    logits, params = _cut_rows(49152, 5)
+    logits, params, _ = _cut_rows(49152, 5)
     us = torch.rand(len(params), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     assert sample_from(probabilities_for(logits, params), us).tolist() == draw(logits, params, us).tolist()
 
