@@ -524,6 +524,9 @@ class _StubHead:
         self.asked.extend(ks)
         return [Draft([0] * k, None, "head") for k in ks]
 
+    def on_commit(self, seq) -> None:
+        pass
+
 
 def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
     """auto judges each method at its best draft length against plain decoding: with cheap
@@ -699,6 +702,112 @@ def test_chain_judge_keeps_a_draft_while_its_chance_pays_for_its_row():
     crowded = ChainJudge(steep, None, 1, StepBase(8, 8.0))
     assert crowded.rows == 8 and not crowded.keep(0, 0.3)  # but not 8 / 0.024 s
     assert crowded.keep(0, 0.95)
+
+
+def _commit(trust, seq, accepted: int) -> None:
+    """seq's round verified with `accepted` drafts kept (and the target's own token after them)."""
+    seq.token_ids.extend([7] * (accepted + 1))
+    seq.stats.record(4, accepted, 0)
+    trust.committed(seq)
+
+
+def test_the_heads_chances_are_taken_at_what_drafts_of_their_depth_were_accepted_lately():
+    """ChanceTrust: per depth, accepted drafts over the chances the head gave them, pulled toward 1 while few.
+    A head 0.9 sure of its first draft and 0.8 of its second, right 30% and 10% of the time, is trusted about
+    a third and an eighth as far; sampled requests keep a record of their own; a round whose drafts were not
+    the ones verified records nothing; the record fades back to 1 as rounds pass."""
+    from specstream.spec_decode.policy import ChanceTrust, sampling_bucket
+
+    trust = ChanceTrust()
+    seq = Sequence("s", [1, 2, 3], SamplingParams(temperature=0), arrival=0)
+    assert trust.factor("greedy", 1) == 1.0  # nothing known: the head's chances as they are
+    for r in range(400):
+        trust.drafted(seq, [0.9, 0.72], [1, 2])  # a chain: depth 2's chance is the product
+        _commit(trust, seq, 2 if r % 10 == 0 else 1 if r % 10 < 3 else 0)
+    assert trust.factor("greedy", 1) == pytest.approx(0.3 / 0.9, rel=0.05)
+    assert trust.factor("greedy", 2) == pytest.approx(0.1 / 0.72, rel=0.15)
+    assert trust.factor(sampling_bucket(SamplingParams(temperature=0.7)), 1) == 1.0
+    # A tree: its depth-1 nodes are disjoint, so their chances add up to the depth's expected acceptance.
+    tree = ChanceTrust()
+    for _ in range(200):
+        tree.drafted(seq, [0.5, 0.3, 0.2], Draft([4, 5, 6], parents=[-1, -1, 0]).depths())
+        _commit(tree, seq, 1)
+    assert tree.factor("greedy", 1) == pytest.approx(1 / 0.8, rel=0.05)
+    assert tree.factor("greedy", 2) < 0.15  # never accepted: its prior weight is all that is left
+    # Drafts announced and never verified (the sequence failed, or another proposer drafted): not recorded.
+    stale = ChanceTrust()
+    stale.drafted(seq, [0.9], [1])
+    seq.token_ids.extend([7, 7, 7])
+    seq.stats.record(1, 0, 0)
+    stale.committed(seq)
+    assert stale.shared.evidence("depth1", "greedy") == 0.0
+    stale.drafted(seq, [0.9], [1])
+    stale.release(seq)
+    _commit(stale, seq, 1)
+    assert stale.shared.evidence("depth1", "greedy") == 0.0
+    for _ in range(20_000):  # rounds without the head's drafts
+        trust.committed(seq)
+    assert trust.factor("greedy", 1) == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_judge_takes_a_drafts_chance_at_the_heads_trust():
+    """ChainJudge.keep and keep_best weigh the head's chances by its trust: a draft worth its row at the head's
+    word is declined once the head is known to be right a sixth as often, and a tree keeps its confident first
+    depth but not the second one its trust discounts; the drafts carry the head's own chances."""
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.head_tree import keep_best
+    from specstream.spec_decode.policy import ChainJudge
+
+    steep = CostModel([1, 9], [0.010, 0.026])
+    assert ChainJudge(steep, None, 1).keep(0, 0.9)
+    assert not ChainJudge(steep, None, 1).keep(0, 0.9, trust=1 / 6)
+    judge = ChainJudge(steep, None, 1)
+    assert judge.keep(0, 0.9, trust=1.5) and judge.step.expected == pytest.approx(2.0)  # at most certain
+    assert judge.chance == [0.9]  # the head's own chance goes on down the chain
+    nodes = {0: [(11, -1, 0.9, 1), (12, 0, 0.8, 2), (13, -1, 0.05, 1)]}
+    for trust, kept in ((None, [11, 12]), (lambda i, depth: 1.0 if depth == 1 else 0.2, [11])):
+        drafts = [Draft([])]
+        keep_best(nodes, {}, [4], ChainJudge(steep, None, 1), drafts, trust)
+        assert drafts[0].tokens == kept and drafts[0].chances == [0.9, 0.8][: len(kept)]
+
+
+def test_draft_depths_follow_the_parents():
+    assert Draft([1, 2, 3]).depths() == [1, 2, 3]
+    assert Draft([1, 2, 3, 4], parents=[-1, -1, 0, 2]).depths() == [1, 1, 2, 3]
+
+
+def test_the_heads_trust_is_learned_from_its_verified_drafts_and_output_stays_plain(trained, target_dir, chats):
+    """fp32, greedy, chains and trees judged by a curve: each judged round announces its drafts' chances and is
+    recorded once verified (all but a request's last round, which ends it), nothing is left pending when the
+    requests end, and the output is the plain one."""
+    from specstream.calibration import CostModel
+
+    prompts = chats + RAW_PROMPTS
+    plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), prompts)]
+    for trees in (False, True):
+        engine = engine_for(target_dir, "eagle", trained[0], k=6, trees=trees)
+        engine.proposer.target_cost = CostModel([1, 7], [0.050, 0.053])  # rows cheap beside the head's passes
+        trust = engine.proposer.trust
+        announced, recorded, shapes = [], [], []
+        drafted, record = trust.drafted, trust.shared.record
+
+        def announce(seq, chances, depths, drafted=drafted, announced=announced, shapes=shapes):
+            announced.append(seq.request_id)
+            shapes.append(max(depths) < len(depths))
+            drafted(seq, chances, depths)
+
+        def note(kind, bucket, accepted, rejected, record=record, recorded=recorded):
+            recorded.append(kind)
+            record(kind, bucket, accepted, rejected)
+
+        trust.drafted, trust.shared.record = announce, note
+        outs = greedy(engine, prompts)
+        assert [o.token_ids for o in outs] == plain
+        depth1 = recorded.count("depth1")
+        assert len(announced) > 20 and len(announced) - len(prompts) <= depth1 <= len(announced)
+        assert any(shapes) == trees  # a tree has several nodes at some depth
+        assert not trust._pending
+        assert 0.0 < trust.factor("greedy", 1) < 3.0
 
 
 def test_chains_stopped_by_the_heads_confidence_stay_lossless_and_drop_unlikely_drafts(trained, target_dir, chats):

@@ -241,6 +241,8 @@ class AutoProposer(Proposer):
 
     def on_commit(self, seq: Sequence) -> None:
         self.shared.tick()
+        if self.head is not None:
+            self.head.on_commit(seq)  # the head's chances, checked against what its drafts kept (ChanceTrust)
         choice = self._seqs.get(seq.request_id)
         if choice is None or not choice.last_method:
             return

@@ -39,7 +39,7 @@ from specstream.calibration import CostModel, throwaway_tables
 from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
 from specstream.memory.kv import KVPool
 from specstream.spec_decode.head_tree import Node, keep_best, node_children, path_nodes
-from specstream.spec_decode.policy import ChainJudge
+from specstream.spec_decode.policy import ChainJudge, ChanceTrust, sampling_bucket
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
 from specstream.sequence import Sequence
@@ -118,6 +118,8 @@ class EagleProposer(Proposer):
         # The target's forward time by tokens, set by the engine after its calibration: with it,
         # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
         self.target_cost: CostModel | None = None
+        # How far the head's chances are to be believed (each depth's, lately): its drafts are judged at that.
+        self.trust = ChanceTrust()
         self._state: dict[str, _HeadState] = {}
 
     @classmethod
@@ -163,7 +165,11 @@ class EagleProposer(Proposer):
             state.pending.append(rows)
             state.num_pending += len(rows)
 
+    def on_commit(self, seq: Sequence) -> None:
+        self.trust.committed(seq)
+
     def release(self, seq: Sequence) -> None:
+        self.trust.release(seq)
         state = self._state.pop(seq.request_id, None)
         if state is not None:
             self.pool.free(state.table)
@@ -202,11 +208,13 @@ class EagleProposer(Proposer):
             kept = [True] * len(active)
             if judge is not None:
                 for j, i in enumerate(active):
-                    if not judge.keep(i, confidence[j]):
-                        kept[j] = False
-                        drafts[i].tokens.pop()
-                        if drafts[i].probs:
-                            drafts[i].probs.pop()
+                    if judge.keep(i, confidence[j], self._trusted(seqs[i], step + 1)):
+                        drafts[i].chances = (drafts[i].chances or []) + [judge.chance[i]]
+                        continue
+                    kept[j] = False
+                    drafts[i].tokens.pop()
+                    if drafts[i].probs:
+                        drafts[i].probs.pop()
             step += 1
             still = [j for j, i in enumerate(active) if ks[i] > step and kept[j]]
             if not still:
@@ -221,10 +229,16 @@ class EagleProposer(Proposer):
             state = self._state.get(s.request_id)
             if state is not None:
                 self.pool.trim(state.table, state.fed)
-        for d in drafts:
+        for seq, d in zip(seqs, drafts):
             if isinstance(d.probs, list):  # a chain's q, gathered row by row (a tree's is stacked already)
                 d.probs = torch.stack(d.probs) if d.probs else None
+            if d.tokens and d.chances and seq.constraint is None:  # judged, and verified as drafted
+                self.trust.drafted(seq, d.chances, d.depths())
         return drafts
+
+    def _trusted(self, seq: Sequence, depth: int) -> float:
+        """What a depth-`depth` draft's chance for seq is taken at (ChanceTrust)."""
+        return self.trust.factor(sampling_bucket(seq.params), depth)
 
     def _ready(self, seq: Sequence, k: int) -> bool:
         """Every row but the last has its features, and the pool holds the chain's rows."""
@@ -270,6 +284,10 @@ class EagleProposer(Proposer):
         each row, or for a sampled request by recursive rejection sampling against each node's q
         (verify.py)."""
         width = self.width
+
+        def trust(i: int, depth: int) -> float:
+            return self._trusted(seqs[i], depth)
+
         # Per sequence: nodes (token, parent, chance, depth); the input hidden of a node's children.
         nodes: dict[int, list[Node]] = {i: [] for i in active}
         q_of: dict[tuple[int, int], torch.Tensor] = {}  # [sampled] the q a node's children were drawn from
@@ -300,14 +318,17 @@ class EagleProposer(Proposer):
             }
             rows = sum(len(path_nodes(nodes[i], ps)) for i, ps in picks.items())
             share = self.cost(rows) / max(rows, 1) if self.cost is not None else 0.0
-            picks = {i: [n for n in ps if judge.worth(nodes[i][n][2], share)] for i, ps in picks.items()}
+            picks = {
+                i: [n for n in ps if judge.worth(min(nodes[i][n][2] * trust(i, nodes[i][n][3]), 1.0), share)]
+                for i, ps in picks.items()
+            }
             frontier = [(i, n) for i, ps in picks.items() for n in ps]
             if not frontier:
                 break
             step_logits, step_hidden = self._tree_pass(seqs, nodes, picks, child_hidden)
             for r, f in enumerate(frontier):
                 out_logits[f], child_hidden[f] = step_logits[r], step_hidden[r]
-        keep_best(nodes, q_of, ks, judge, drafts)
+        keep_best(nodes, q_of, ks, judge, drafts, trust)
 
     def _tree_pass(
         self,

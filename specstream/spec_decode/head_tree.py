@@ -9,6 +9,8 @@ root's children.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specstream.sampling import STREAM_TREE_DRAW, probabilities_for, sample_from, uniform
@@ -26,13 +28,21 @@ def keep_best(
     ks: list[int],
     judge: ChainJudge,
     drafts: list[Draft],
+    trust: Callable[[int, int], float] | None = None,
 ) -> None:
     """Keep nodes best first, across sequences, while they pay for their rows (at most k per sequence, a
     node after its parent and its elder siblings), as each sequence's tree draft; a sampled tree's with
     the q each node was drawn from. A sampled node's chance is its rank's (not its own token's): whether
-    a draw is verified may depend on the draws before it, never on itself (EagleProposer._choose says why)."""
+    a draw is verified may depend on the draws before it, never on itself (EagleProposer._choose says why).
+    trust(i, depth): what sequence i's chances at that depth are taken at (ChanceTrust; 1 without it); the
+    drafts carry the chances as the head gave them."""
     ranked = sorted(
-        ((c, d, i, n) for i, ns in nodes.items() for n, (_, _, c, d) in enumerate(ns)), key=lambda x: (-x[0], x[1])
+        (
+            (min(c * (trust(i, d) if trust is not None else 1.0), 1.0), d, i, n)
+            for i, ns in nodes.items()
+            for n, (_, _, c, d) in enumerate(ns)
+        ),
+        key=lambda x: (-x[0], x[1]),
     )
     kept: dict[int, list[int]] = {i: [] for i in nodes}
     last_child: dict[tuple[int, int], int] = {}  # (sequence, node): its child ranked last so far, kept or not

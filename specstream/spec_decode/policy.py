@@ -19,7 +19,8 @@ step time by batch size. The clients of this one judgement:
 - auto.AutoProposer: the draft head, a suffix draft, an n-gram match or no draft, per sequence and round,
   by the rate of the step the drafts join (StepPrice) at each method's best length (best_length, and
   best_cut over a suffix draft's own chances).
-- ChainJudge: where an EAGLE head's chain stops, draft by draft, from the head's confidence.
+- ChainJudge: where an EAGLE head's chain stops, draft by draft, from the head's confidence (taken at what
+  such confidence was accepted lately: ChanceTrust).
 """
 
 from __future__ import annotations
@@ -119,6 +120,54 @@ class SharedAcceptance:
             self._by[(kind, bucket)] = (record, self.rounds)
         record.accepted += accepted
         record.rejected += rejected
+
+
+class ChanceTrust:
+    """How well a draft head's chances (a draft's: the product of the head's probabilities along its path) have
+    predicted acceptance lately, by depth and sampling bucket: what ChainJudge multiplies them by.
+
+    A round's drafts at depth d are accepted at most once between them (one path is accepted, and it holds at
+    most one node of each depth), so the chances of a round's depth-d drafts add up to the expected number of
+    depth-d drafts accepted, 0 or 1, for a chain as for a tree. Per depth, the shared record (SharedAcceptance)
+    keeps the accepted depth-d drafts and the rest of those sums; its estimate pulled toward 1 (the head's
+    chances taken as they are) is the factor. A head trained to agree with the target can still be far more
+    sure of itself than it is right on text unlike its training data: where its chances overstate acceptance,
+    ChainJudge verifies fewer of its drafts, and the deeper ones, whose chances compound the error, first. The
+    record fades with every round, so a depth whose drafts stopped being kept is tried again in time."""
+
+    def __init__(self) -> None:
+        self.shared = SharedAcceptance()
+        # By request: its tokens and accepted drafts when it drafted, and its drafts' chances summed by depth.
+        self._pending: dict[str, tuple[int, int, list[float]]] = {}
+
+    def factor(self, bucket: str, depth: int) -> float:
+        """What a depth-`depth` draft's chance is multiplied by in `bucket` (sampling_bucket)."""
+        return self.shared.prior(f"depth{depth}", bucket, 1.0)
+
+    def drafted(self, seq, chances: list[float], depths: list[int]) -> None:
+        """seq (a Sequence) drafts this round: its drafts' own chances and depths (1: the first draft)."""
+        by_depth = [0.0] * max(depths, default=0)
+        for chance, depth in zip(chances, depths):
+            by_depth[depth - 1] += chance
+        self._pending[seq.request_id] = (len(seq.token_ids), seq.stats.accepted, by_depth)
+
+    def committed(self, seq) -> None:
+        """seq's round was verified (Proposer.on_commit): record the drafts it announced for it."""
+        self.shared.tick()
+        pending = self._pending.pop(seq.request_id, None)
+        if pending is None:
+            return
+        length, before, by_depth = pending
+        accepted = seq.stats.accepted - before
+        if len(seq.token_ids) - length != accepted + 1:  # not the round those drafts were verified in
+            return
+        bucket = sampling_bucket(seq.params)
+        for depth, expected in enumerate(by_depth, 1):
+            got = float(accepted >= depth)
+            self.shared.record(f"depth{depth}", bucket, got, expected - got)
+
+    def release(self, seq) -> None:
+        self._pending.pop(seq.request_id, None)
 
 
 def expected_tokens(a: float, m: int) -> float:
@@ -368,10 +417,11 @@ class ChainJudge:
         """A head pass over num_seqs chains drafted the tokens judged next."""
         self.step_share = self.head_pass(num_seqs) / num_seqs if self.head_pass is not None else 0.0
 
-    def keep(self, i: int, confidence: float) -> bool:
-        """Sequence i's next draft, whose head probability is `confidence`: kept or not."""
+    def keep(self, i: int, confidence: float, trust: float = 1.0) -> bool:
+        """Sequence i's next draft, whose head probability is `confidence`: kept or not, its chance (the
+        product of its chain's confidences) taken at `trust` times (ChanceTrust.factor)."""
         chance = self.chance[i] * confidence
-        if not self.take(chance, self.step_share):
+        if not self.take(min(chance * trust, 1.0), self.step_share):
             return False
         self.chance[i] = chance
         return True

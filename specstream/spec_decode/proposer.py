@@ -46,7 +46,8 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(tokens), V]: q for each token; None = one-hot
     method: str = ""  # which proposer made it (a metrics label)
     num_forced: int = 0  # [structured] leading tokens forced by the sequence's grammar
-    # Each token's estimated chance of being reached and accepted, where the proposer has one (suffix).
+    # Each token's estimated chance of being reached and accepted, where the proposer has one (suffix; a draft
+    # head's judged drafts: the product of its probabilities along the path).
     chances: list[float] | None = None
     parents: list[int] | None = None  # None: a chain
 
@@ -62,6 +63,15 @@ class Draft:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+    def depths(self) -> list[int]:
+        """Each token's depth: 1 for those that follow the sequence's last token, a node's parent's + 1."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
 
     def cut(self, k: int) -> Draft:
         """The first k tokens (a tree's first k nodes keep their parents: every node follows its parent)."""
