@@ -120,6 +120,7 @@ class EagleProposer(Proposer):
         self.target_cost: CostModel | None = None
         # How far the head's chances are to be believed (each depth's, lately): its drafts are judged at that.
         self.trust = ChanceTrust()
+        self._trust_now: dict[tuple[str, int], float] = {}  # this round's factors by (bucket, depth)
         self._state: dict[str, _HeadState] = {}
 
     @classmethod
@@ -187,6 +188,7 @@ class EagleProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None, "eagle") for _ in seqs]
         base = self.take_step_base(len(seqs))
+        self._trust_now.clear()
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s, k)]
         if not active:
             return drafts
@@ -237,8 +239,12 @@ class EagleProposer(Proposer):
         return drafts
 
     def _trusted(self, seq: Sequence, depth: int) -> float:
-        """What a depth-`depth` draft's chance for seq is taken at (ChanceTrust)."""
-        return self.trust.factor(sampling_bucket(seq.params), depth)
+        """What a depth-`depth` draft's chance for seq is taken at (ChanceTrust), looked up once a round."""
+        key = (sampling_bucket(seq.params), depth)
+        factor = self._trust_now.get(key)
+        if factor is None:
+            factor = self._trust_now[key] = self.trust.factor(*key)
+        return factor
 
     def _ready(self, seq: Sequence, k: int) -> bool:
         """Every row but the last has its features, and the pool holds the chain's rows."""
