@@ -525,7 +525,7 @@ class _StubHead:
         return [Draft([0] * k, None, "head") for k in ks]
 
     def on_commit(self, seq) -> None:
-        pass
+        self.committed = getattr(self, "committed", []) + [seq.request_id]
 
 
 def test_auto_drafts_at_the_length_that_pays_or_not_at_all():
@@ -887,6 +887,20 @@ def test_a_head_trees_likeliest_path_is_the_heads_own_chain(trained, target_dir,
     for js in siblings.values():
         assert len({sampled.tokens[j] for j in js}) == len(js)
         assert all(torch.equal(sampled.probs[j], sampled.probs[js[0]]) and sampled.probs[j][sampled.tokens[j]] > 0 for j in js)
+
+
+def test_auto_hands_every_verified_round_to_its_head():
+    """The head learns how far to trust its chances from the rounds it drafted (ChanceTrust): auto passes each
+    sequence's commit on to it, whichever method drafted the round."""
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    head = _StubHead(0.001)
+    auto = AutoProposer(head, NgramProposer(1, 4))
+    seq = Sequence("s", [1, 2, 3], SamplingParams(temperature=0), arrival=0)
+    auto.on_commit(seq)
+    auto.on_commit(seq)
+    assert head.committed == ["s", "s"]
 
 
 def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
