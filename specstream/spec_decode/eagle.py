@@ -39,7 +39,7 @@ from specstream.calibration import CostModel, throwaway_tables
 from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
 from specstream.memory.kv import KVPool
 from specstream.spec_decode.head_tree import Node, keep_best, node_children, path_nodes
-from specstream.spec_decode.policy import ChainJudge, ChanceTrust, sampling_bucket
+from specstream.spec_decode.policy import ChainJudge, ChanceTrust, sampling_bucket, trusted
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext, choose_drafts
 from specstream.model.runner import ForwardItem, pack
 from specstream.sequence import Sequence
@@ -325,7 +325,7 @@ class EagleProposer(Proposer):
             rows = sum(len(path_nodes(nodes[i], ps)) for i, ps in picks.items())
             share = self.cost(rows) / max(rows, 1) if self.cost is not None else 0.0
             picks = {
-                i: [n for n in ps if judge.worth(min(nodes[i][n][2] * trust(i, nodes[i][n][3]), 1.0), share)]
+                i: [n for n in ps if judge.worth(trusted(nodes[i][n][2], trust(i, nodes[i][n][3])), share)]
                 for i, ps in picks.items()
             }
             frontier = [(i, n) for i, ps in picks.items() for n in ps]

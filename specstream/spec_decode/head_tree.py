@@ -16,7 +16,7 @@ import torch
 from specstream.sampling import STREAM_TREE_DRAW, probabilities_for, sample_from, uniform
 from specstream.sequence import Sequence
 from specstream.spec_decode.draft_head import DraftHead
-from specstream.spec_decode.policy import ChainJudge
+from specstream.spec_decode.policy import ChainJudge, trusted
 from specstream.spec_decode.proposer import Draft
 
 Node = tuple[int, int, float, int]
@@ -38,7 +38,7 @@ def keep_best(
     drafts carry the chances as the head gave them."""
     ranked = sorted(
         (
-            (min(c * (trust(i, d) if trust is not None else 1.0), 1.0), d, i, n)
+            (c if trust is None else trusted(c, trust(i, d)), d, i, n)
             for i, ns in nodes.items()
             for n, (_, _, c, d) in enumerate(ns)
         ),

@@ -170,6 +170,11 @@ class ChanceTrust:
         self._pending.pop(seq.request_id, None)
 
 
+def trusted(chance: float, factor: float) -> float:
+    """A draft head's chance taken at its trust (ChanceTrust.factor), at most certain."""
+    return min(chance * factor, 1.0)
+
+
 def expected_tokens(a: float, m: int) -> float:
     """Tokens a round emits when m drafts are each accepted with probability a (bonus included)."""
     return float(m + 1) if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a)
@@ -421,7 +426,7 @@ class ChainJudge:
         """Sequence i's next draft, whose head probability is `confidence`: kept or not, its chance (the
         product of its chain's confidences) taken at `trust` times (ChanceTrust.factor)."""
         chance = self.chance[i] * confidence
-        if not self.take(min(chance * trust, 1.0), self.step_share):
+        if not self.take(trusted(chance, trust), self.step_share):
             return False
         self.chance[i] = chance
         return True
