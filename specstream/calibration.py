@@ -45,8 +45,21 @@ CONTEXT = 64
 # ("sweeps": each repeat sweeps every size, CostModel.measure; "largest first": each size right after the next
 # larger one, not the one-token step right after the largest, which it then paid for; "every row's logits":
 # steps are timed as verifications, time_steps. The README has the figures.)
-TIMING = "sweeps largest first, every row's logits"
+TIMING = "sweeps largest first, every row's logits, wide steps over sequences"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# A step's cost jumps past each multiple of ROW_TILE rows (the AMX kernels multiply tiles of 16 rows: a 17th or a
+# 33rd row costs a tile's work more, though it adds one row's tokens) and past the compiled steps' limit (the
+# rest runs eager). Interpolated between sizes on either side, a draft that takes a step of many streams past
+# one was priced at a small share of what it adds; the curve is timed on both sides of each, up to TILED_UPTO.
+ROW_TILE = 16
+TILED_UPTO = 64
+# Steps of more rows than one sequence's compiled run (COMPILED_MAX_RUN) are timed as the engine meets them:
+# several sequences' short runs, WIDE_RUN rows each (decoding sequences with a draft each), over at most
+# WIDE_SEQS sequences. Timed as one sequence's run, such a step ran eager and attended one context: the
+# curve priced a step of many streams, compiled or not, at one long chain's cost.
+WIDE_RUN = 2
+WIDE_SEQS = 32
+FILL_TABLES = 8  # tables whose context one forward fills before timing
 # A curve that prices a step of two tokens above SUSPECT_RATIO times a one-token step is suspect: a busy
 # spell while it was timed may have priced its small sizes high, and then no draft pays (a fresh sequence's
 # first draft, accepted half the time by the prior, pays only below 1.5x), so the policy never runs the
@@ -213,39 +226,56 @@ def throwaway_tables(pool: KVPool, count: int, length: int) -> Iterator[list[lis
 def plan(max_batched_tokens: int, capacity: int, compiled: int = 0) -> tuple[list[int], int]:
     """The step sizes the forward-time curve is timed at, and the context (cached tokens) they are
     timed over, in a pool of `capacity` positions. compiled: the most rows a step runs compiled (0: none
-    does); the curve is timed on both sides of it, where a step's cost jumps to the eager forward's.
-    Interpolated over the jump, a draft that takes a step past it was priced at a few percent of its
-    cost (a 17th row at the 16th's, where it costs about as much as eight)."""
+    does). The curve is timed on both sides of each jump in a step's cost (ROW_TILE's multiples up to
+    TILED_UPTO, the compiled steps' limit): interpolated over one, a draft that takes a step past it was
+    priced at a few percent of its cost (a 17th row at the 16th's, where it costs about as much as eight)."""
     top = max(max_batched_tokens, 1)
     sizes = {n for n in _STEP_SIZES if n <= top} | {min(top, 128)}
-    if 0 < compiled < top:
-        sizes |= {compiled, compiled + 1}
+    edges = set(range(ROW_TILE, min(top, TILED_UPTO) + 1, ROW_TILE)) | ({compiled} if compiled > 0 else set())
+    sizes |= {n for edge in edges if edge < top for n in (edge, edge + 1)}
     sizes = sorted(sizes)
     return sizes, min(CONTEXT, capacity - sizes[-1])
 
 
 def compiled_rows(runner: ModelRunner) -> int:
-    """The most rows one sequence's step (what time_steps times) may have and run compiled in runner's forward as it
-    serves now (0: none): the compiled steps' rows, at most their longest run per sequence (a step of several
-    sequences may hold more rows and run compiled; the steps the engine runs teach the curve those prices)."""
+    """The most rows a step may have and run compiled in runner's forward as it serves now (0: none): a step of
+    several sequences' short runs (what time_steps times past COMPILED_MAX_RUN rows)."""
     fast = getattr(runner, "fast", None)
-    return min(fast.compiled_rows, COMPILED_MAX_RUN) if fast is not None and fast.steps is not None else 0
+    return fast.compiled_rows if fast is not None and fast.steps is not None else 0
+
+
+def step_items(tables: list[list[int]], context: int, n: int) -> list[ForwardItem]:
+    """A step of n rows over `context` cached tokens of each table, as the engine's steps hold them: one
+    sequence's run up to COMPILED_MAX_RUN rows; past that, several sequences' runs of WIDE_RUN rows (as evenly
+    as they split) where there are tables enough, else the first table's alone. Every row keeps its logits,
+    as a verification does."""
+    seqs = -(-n // WIDE_RUN)
+    if n <= COMPILED_MAX_RUN or len(tables) < min(seqs, WIDE_SEQS):
+        return [ForwardItem(tables[0], context, [0] * n, n)]
+    seqs = min(seqs, WIDE_SEQS)
+    runs = [n // seqs + (i < n % seqs) for i in range(seqs)]
+    return [ForwardItem(table, context, [0] * run, run) for table, run in zip(tables, runs)]
 
 
 def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int = 3) -> CostModel | None:
-    """One sequence's steps of each size over `context` cached tokens, timed; None where the pool cannot
-    hold them. Each step keeps every row's logits, as a verification does: a draft's price is what its row
-    adds, through the layers and the LM head (timed with one row's logits, as a prefill chunk keeps, a draft
-    row was priced without its LM-head pass; the README has the figures)."""
+    """Steps of each size over `context` cached tokens (step_items: one sequence's, or past COMPILED_MAX_RUN rows
+    several sequences', where the pool holds them), timed; None where the pool cannot hold one. Each step keeps
+    every row's logits, as a verification does: a draft's price is what its row adds, through the layers and the
+    LM head (timed with one row's logits, as a prefill chunk keeps, a draft row was priced without its LM-head
+    pass; the README has the figures)."""
     if context < 0:
         return None
-    with throwaway_tables(runner.pool, 1, context + max(sizes)) as tables:
-        if not tables:
+    wide = max(sizes, default=0)
+    seqs = min(-(-wide // WIDE_RUN), WIDE_SEQS) if wide > COMPILED_MAX_RUN else 1
+    with throwaway_tables(runner.pool, 1, context + wide) as first:
+        if not first:
             return None
-        table = tables[0]
-        if context:
-            runner.forward([ForwardItem(table, 0, [0] * context, 1)])
-        return CostModel.measure(lambda n: runner.forward([ForwardItem(table, context, [0] * n, n)]), sizes, repeats)
+        with throwaway_tables(runner.pool, seqs - 1, context + -(-wide // seqs)) as more:
+            tables = first + more
+            if context:
+                for i in range(0, len(tables), FILL_TABLES):
+                    runner.forward([ForwardItem(table, 0, [0] * context, 1) for table in tables[i : i + FILL_TABLES]])
+            return CostModel.measure(lambda n: runner.forward(step_items(tables, context, n)), sizes, repeats)
 
 
 def refine_small_sizes(runner: ModelRunner, max_batched_tokens: int, cost: CostModel) -> bool:

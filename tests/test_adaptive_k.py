@@ -369,27 +369,60 @@ def test_the_shared_record_fades_back_to_the_fixed_prior_as_rounds_pass():
     assert shared.prior("ngram", "T1", 0.5) > 0.45
 
 
-def test_the_forward_curve_is_timed_on_both_sides_of_the_compiled_steps_limit():
-    """A step of more rows than the compiled steps take runs eager, at a jump in cost: timed at 16 and 24
-    alone, the curve priced the 17th row like the 16th. With compiled steps of up to 16 rows it is timed at
-    16 and 17 too; without them (eager, or a budget below the limit) the sizes are as before."""
+def test_the_forward_curve_is_timed_on_both_sides_of_each_jump_in_a_steps_cost():
+    """A step's cost jumps past each 16 rows (the AMX tiles) and past the compiled steps' limit: timed at 32 and 48
+    alone, the curve priced a 33rd row on a step of 32 streams like the 32nd, where it costs a tile's work. The
+    curve is timed on both sides of each, up to 64 rows, and of the compiled limit where steps are compiled;
+    nothing past the budget."""
     from types import SimpleNamespace
 
     from specstream import calibration
-    from specstream.model import fast_llama
 
-    sizes, _ = calibration.plan(512, 100_000, compiled=16)
-    assert {16, 17, 24} <= set(sizes) and sizes == sorted(sizes)
-    assert 17 not in calibration.plan(512, 100_000)[0]
-    assert calibration.plan(16, 100_000, compiled=16)[0][-1] == 16  # the budget stops at the limit: nothing past it
-    eager = SimpleNamespace(fast=SimpleNamespace(compiled_rows=16, steps=None))
-    compiled = SimpleNamespace(fast=SimpleNamespace(compiled_rows=16, steps=object()))
-    assert calibration.compiled_rows(eager) == 0 and calibration.compiled_rows(compiled) == 16
+    sizes, _ = calibration.plan(512, 100_000, compiled=24)
+    assert {16, 17, 24, 25, 32, 33, 48, 49, 64, 65, 96, 128} <= set(sizes) and sizes == sorted(sizes)
+    assert 25 not in calibration.plan(512, 100_000)[0] and 81 not in sizes  # no compiled steps; tiles up to 64 only
+    assert calibration.plan(16, 100_000, compiled=24)[0][-1] == 16  # the budget stops at 16: nothing past it
+    eager = SimpleNamespace(fast=SimpleNamespace(compiled_rows=24, steps=None))
+    compiled = SimpleNamespace(fast=SimpleNamespace(compiled_rows=24, steps=object()))
+    assert calibration.compiled_rows(eager) == 0 and calibration.compiled_rows(compiled) == 24
     assert calibration.compiled_rows(SimpleNamespace(fast=None)) == 0  # a model on transformers' modules
-    # steps of several sequences run compiled up to 32 rows here, but one sequence's (what the curve times) up to
-    # its longest compiled run: the jump is timed where one sequence meets it
-    wide = SimpleNamespace(fast=SimpleNamespace(compiled_rows=32, steps=object()))
-    assert calibration.compiled_rows(wide) == fast_llama.COMPILED_MAX_RUN == 16
+
+
+def test_steps_past_one_sequences_compiled_run_are_timed_as_several_sequences_short_runs(tiny_model_dir):
+    """Steps of more than 16 rows are batches of streams, compiled up to their limit: timed as one sequence's
+    long run, they ran eager over one context. They are timed as sequences of two rows each (at most 32 of them),
+    and as one sequence's run where the pool cannot hold that many tables."""
+    from specstream import Engine, EngineConfig, calibration
+    from specstream.model.fast_llama import COMPILED_MAX_RUN
+
+    tables = [[i] for i in range(calibration.WIDE_SEQS)]
+    assert [len(it.tokens) for it in calibration.step_items(tables, 8, COMPILED_MAX_RUN)] == [COMPILED_MAX_RUN]
+    wide = calibration.step_items(tables, 8, 33)
+    assert [len(it.tokens) for it in wide] == [2] * 16 + [1] and [it.num_logits for it in wide] == [2] * 16 + [1]
+    assert {it.start for it in wide} == {8} and len({tuple(it.table) for it in wide}) == 17
+    assert [len(it.tokens) for it in calibration.step_items(tables, 8, 100)] == [4] * 4 + [3] * 28
+    assert [len(it.tokens) for it in calibration.step_items(tables[:3], 8, 33)] == [33]  # too few tables
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32"), log=False)
+    forward, fed = engine.runner.forward, []
+    engine.runner.forward = lambda items, *a: fed.append([len(i.tokens) for i in items]) or forward(items, *a)
+    free = engine.runner.pool.num_free_blocks
+    assert calibration.time_steps(engine.runner, [1, 16, 33], 16, repeats=1) is not None
+    assert fed[:3] == [[16] * 8, [16] * 8, [16]]  # the 17 tables' contexts, 8 a forward
+    assert fed[3:] == [[2] * 16 + [1], [2] * 16 + [1], [16], [1]]  # a warm-up, then each size
+    assert engine.runner.pool.num_free_blocks == free  # timing keeps no KV
+
+
+def test_the_k_policy_grants_no_run_longer_than_the_longest_compiled_one():
+    """Drafts that are always accepted, on a flat curve, pay whatever their number: k_max 16 would make one
+    sequence's run 17 rows, past the compiled steps' 16, which runs the step eager at a cost the curve (timed past
+    16 rows on several sequences' short runs) does not show; granted 15. Not adaptive, k_max as asked."""
+    from types import SimpleNamespace
+
+    cost = CostModel([1, 64], [0.010, 0.0101])
+    seq = SimpleNamespace(params=SamplingParams(), acceptance=Acceptance(100.0, 0.0))
+    assert KPolicy(16, True, cost, lambda n: 0.0, longest_run=16).choose([seq], 1, 64) == [15]
+    assert KPolicy(16, True, cost, lambda n: 0.0).choose([seq], 1, 64) == [16]
+    assert KPolicy(16, False, cost, lambda n: 0.0, longest_run=16).choose([seq], 1, 64) == [16]
 
 
 def test_what_drafting_adds_to_a_steps_host_work_is_measured_per_batch_and_charged_once_a_step():

@@ -325,12 +325,17 @@ class KPolicy:
         draft_pass_cost: Callable[[int], float],
         lookup_cost: Callable[[], float] = lambda: 0.0,
         draft_hint: Callable[[Drafting], tuple[float, int] | None] = lambda seq: None,
+        longest_run: int | None = None,
     ) -> None:
         """draft_pass_cost(n): a drafter's pass over n sequences; lookup_cost(): what each sequence let draft
         costs the proposer besides (Proposer.lookup_cost); draft_hint(seq): the proposer's own knowledge of
         the draft it has for seq now (Proposer.draft_hint): where its acceptance is above the sequence's
-        record, seq's drafts are granted at that acceptance, up to the draft's length."""
+        record, seq's drafts are granted at that acceptance, up to the draft's length. longest_run: the most
+        rows one sequence's round may feed while adaptive (None: no limit besides k_max), where a longer run
+        sends the whole step down a slower path (the eager forward) that the curve, timed by rows on the
+        shapes steps of that many rows usually have, does not price."""
         self.k_max = k_max
+        self.longest_run = longest_run
         self.adaptive = adaptive and target_cost is not None
         self.target_cost = target_cost
         self.draft_pass_cost = draft_pass_cost
@@ -362,6 +367,8 @@ class KPolicy:
                 ks.append(min(cap, left))
                 left -= ks[-1]
             return ks
+        if self.longest_run is not None:
+            caps = [min(cap, max(self.longest_run - 1, 0)) for cap in caps]
         alphas = [self.estimate(s) for s in seqs]
         for i, seq in enumerate(seqs):
             hint = self.draft_hint(seq) if caps[i] > 0 else None
