@@ -466,3 +466,20 @@ def test_the_engine_reports_each_steps_host_work(tiny_model_dir):
     e.generate([list(range(5, 25)) * 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert seen and all(n == 1 and drafting in (0, 1) and 0 <= seconds < 1.0 for n, drafting, seconds in seen)
     assert any(drafting for _, drafting, _ in seen) and len(seen) <= 29  # every step but the prefill's
+
+
+def test_a_step_being_priced_reads_the_curve_once_per_size():
+    """auto prices every sequence's every method at every length on one step (dozens of sizes, thousands of
+    reads at 32 streams): each size is read from the curve once while the step is built, and priced the same."""
+    from specstream.spec_decode.policy import StepBase, StepPrice, best_length
+
+    cost = CostModel([1, 8, 16, 17, 32, 33], [0.010, 0.012, 0.014, 0.020, 0.030, 0.036])
+    reads = []
+    counted = lambda n: reads.append(n) or cost(n)  # noqa: E731
+    price = StepPrice(counted, StepBase(24, 24.0))
+    first = [best_length(a, 12, price) for a in (0.3, 0.6, 0.9)]
+    assert first == [best_length(a, 12, StepPrice(cost, StepBase(24, 24.0))) for a in (0.3, 0.6, 0.9)]
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 13  # 24 rows, then 25..36
+    price.add(1.0, 9)  # past the 33rd row: the sizes read before are read no more
+    best_length(0.6, 12, price)
+    assert len(reads) == 13 + 9 and price.rate() == pytest.approx(25.0 / cost(33))

@@ -251,11 +251,19 @@ class StepPrice:
         self.verify = verify
         self.rows = base.rows
         self.prefill_rows = base.prefill_rows
+        # The curve by row count, as read while this step is built (it moves only between steps): every
+        # sequence's every method and length is priced from a few dozen sizes, read once each.
+        self._curve: dict[int, float] = {}
         # the rows added cost what they add to the whole step; the rate to beat is the decoding rows' (StepBase)
         self.step = StepYield(base.expected, self._seconds(base.decoding_rows))
 
     def _seconds(self, rows: int) -> float:
-        return self.verify(rows) if self.verify is not None else 1.0
+        if self.verify is None:
+            return 1.0
+        seconds = self._curve.get(rows)
+        if seconds is None:
+            seconds = self._curve[rows] = self.verify(rows)
+        return seconds
 
     def added(self, rows: int, extra: float = 0.0) -> float:
         """Seconds that `rows` more rows and `extra` seconds of drafting add to the step."""
