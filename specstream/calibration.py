@@ -132,6 +132,12 @@ class CostModel:
         self.log_speed += ONLINE_RATE * error
         for j, w in self._weights(n):
             self.log_scale[j] = min(max(self.log_scale[j] + SHAPE_RATE * w * error, -SHAPE_BOUND), SHAPE_BOUND)
+        # A forward over more tokens never costs less, corrected too: each size's own correction, learned from
+        # the steps near it (whose prefill chunks and sequences vary), may not price it below a smaller size, or
+        # rows added past it would look free, and more of them cheaper than fewer.
+        for j in range(1, len(self.tokens)):
+            floor = self.log_scale[j - 1] + math.log(self.seconds[j - 1] / self.seconds[j])
+            self.log_scale[j] = max(self.log_scale[j], floor)
         self.observed += 1
 
     def suspect(self) -> bool:

@@ -483,3 +483,17 @@ def test_a_step_being_priced_reads_the_curve_once_per_size():
     price.add(1.0, 9)  # past the 33rd row: the sizes read before are read no more
     best_length(0.6, 12, price)
     assert len(reads) == 13 + 9 and price.rate() == pytest.approx(25.0 / cost(33))
+
+
+def test_the_online_correction_keeps_the_curve_monotone():
+    """Steps near 33 tokens that ran slow (a prefill chunk among them) and steps near 48 that ran fast raise one size
+    and lower the other: corrected apart, 33 tokens were priced above 48, and a draft taking a step from 33 rows to
+    48 cost less than nothing. The sizes stay in order, whatever the steps observed."""
+    cost = CostModel([1, 16, 32, 33, 48, 64], [0.008, 0.014, 0.034, 0.040, 0.046, 0.052])
+    for _ in range(400):
+        cost.observe(33, 0.120)
+        cost.observe(48, 0.030)
+        cost.observe(1, 0.008)
+    points = [cost(n) for n in cost.tokens]
+    assert points == sorted(points)
+    assert cost(48) >= cost(33) > cost(32)
