@@ -271,12 +271,12 @@ def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int
     pass; the README has the figures)."""
     if context < 0:
         return None
-    wide = max(sizes, default=0)
-    seqs = min(-(-wide // WIDE_RUN), WIDE_SEQS) if wide > COMPILED_MAX_RUN else 1
-    with throwaway_tables(runner.pool, 1, context + wide) as first:
+    largest = max(sizes, default=0)
+    seqs = min(-(-largest // WIDE_RUN), WIDE_SEQS) if largest > COMPILED_MAX_RUN else 1
+    with throwaway_tables(runner.pool, 1, context + largest) as first:
         if not first:
             return None
-        with throwaway_tables(runner.pool, seqs - 1, context + -(-wide // seqs)) as more:
+        with throwaway_tables(runner.pool, seqs - 1, context + -(-largest // seqs)) as more:
             tables = first + more
             if context:
                 for i in range(0, len(tables), FILL_TABLES):

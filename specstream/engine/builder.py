@@ -122,8 +122,9 @@ class EngineBuilder:
         # A server measures a contradicted curve once idle (Engine.idle), not before it serves.
         target_cost, kept = pricing.price(forward, later=config.compile_in_background)
         k_max = spec.num_speculative_tokens if spec.enabled else 0
-        # One sequence's run past the compiled steps' longest runs eager, as does the whole step it joins; the curve
-        # times steps of more rows as several sequences' short runs (calibration.step_items), so it is not granted.
+        # One sequence's run past the compiled steps' longest takes the whole step off the short steps' path (eager,
+        # its attention apart); the curve times steps of more rows as several sequences' short runs
+        # (calibration.step_items), so such a run is not granted.
         longest = fast_llama.COMPILED_MAX_RUN if runner.fast is not None else None
         policy = KPolicy(
             k_max, spec.adaptive, target_cost, proposer.pass_cost, proposer.lookup_cost, proposer.draft_hint, longest
