@@ -250,15 +250,20 @@ def compiled_rows(runner: ModelRunner) -> int:
     return fast.compiled_rows if fast is not None and fast.steps is not None else 0
 
 
+def wide_seqs(n: int) -> int:
+    """The sequences a step of n rows is timed over (step_items): one up to COMPILED_MAX_RUN rows, past that
+    enough for runs of WIDE_RUN rows, at most WIDE_SEQS."""
+    return min(-(-n // WIDE_RUN), WIDE_SEQS) if n > COMPILED_MAX_RUN else 1
+
+
 def step_items(tables: list[list[int]], context: int, n: int) -> list[ForwardItem]:
     """A step of n rows over `context` cached tokens of each table, as the engine's steps hold them: one
     sequence's run up to COMPILED_MAX_RUN rows; past that, several sequences' runs of WIDE_RUN rows (as evenly
-    as they split) where there are tables enough, else the first table's alone. Every row keeps its logits,
-    as a verification does."""
-    seqs = -(-n // WIDE_RUN)
-    if n <= COMPILED_MAX_RUN or len(tables) < min(seqs, WIDE_SEQS):
+    as they split, wide_seqs) where there are tables enough, else the first table's alone. Every row keeps its
+    logits, as a verification does."""
+    seqs = wide_seqs(n)
+    if seqs == 1 or len(tables) < seqs:
         return [ForwardItem(tables[0], context, [0] * n, n)]
-    seqs = min(seqs, WIDE_SEQS)
     runs = [n // seqs + (i < n % seqs) for i in range(seqs)]
     return [ForwardItem(table, context, [0] * run, run) for table, run in zip(tables, runs)]
 
@@ -272,7 +277,7 @@ def time_steps(runner: ModelRunner, sizes: list[int], context: int, repeats: int
     if context < 0:
         return None
     largest = max(sizes, default=0)
-    seqs = min(-(-largest // WIDE_RUN), WIDE_SEQS) if largest > COMPILED_MAX_RUN else 1
+    seqs = wide_seqs(largest)
     with throwaway_tables(runner.pool, 1, context + largest) as first:
         if not first:
             return None
