@@ -96,6 +96,26 @@ def test_speculation_matches_the_reference_rule():
             assert sum(chances) == pytest.approx(best, rel=1e-5)
 
 
+def test_a_held_sequence_drafts_as_its_own_last_tokens_would():
+    """speculate_held takes a held sequence's suffixes from its own nodes: the same drafts, paths and trees, as
+    walking its last tokens from the root, at every length it has grown to and past the tree's depth."""
+    rng = random.Random(3)
+    depth = 6
+    tree = SuffixTree(depth)
+    tree.extend(7, [rng.randrange(4) for _ in range(300)])  # another sequence's text matches too (past the kept buffer)
+    own: list[int] = []
+    for _ in range(50):
+        piece = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+        tree.extend(0, piece)
+        own += piece
+        for factor, min_prob in ((1.0, 0.1), (3.0, 0.0), (0.5, 0.3)):
+            assert tree.speculate_held(0, 8, factor, min_prob, tree=True) == tree.speculate_tree(own, 8, factor, min_prob)
+            tokens, parents, chances, match = tree.speculate_held(0, 8, factor, min_prob)
+            assert (tokens, chances, match) == tree.speculate(own, 8, factor, min_prob)
+            assert parents == list(range(-1, len(tokens) - 1))
+    assert tree.speculate_held(99, 8, 1.0, 0.0) == ([], [], [], 0)  # a sequence not held drafts nothing
+
+
 def test_a_repeated_text_drafts_its_continuation_with_its_chance():
     tree = SuffixTree(8)
     tree.extend(0, [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3])

@@ -72,6 +72,11 @@ def _load() -> ctypes.CDLL | None:
                 _i32p, _i32p, _f32p, ctypes.POINTER(ctypes.c_int),
             ]
             lib.sst_speculate.restype = ctypes.c_int
+            lib.sst_speculate_held.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                _i32p, _i32p, _f32p, ctypes.POINTER(ctypes.c_int),
+            ]
+            lib.sst_speculate_held.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -85,9 +90,27 @@ def unavailable_reason() -> str | None:
     return _error
 
 
-def _tokens(tokens) -> tuple[np.ndarray, ctypes._Pointer]:
+def _tokens(tokens) -> tuple[ctypes._Pointer, int]:
+    """(a pointer to tokens as int32, how many): through a NumPy array, which the pointer keeps alive."""
     arr = np.ascontiguousarray(tokens, dtype=np.int32)
-    return arr, arr.ctypes.data_as(_i32p)
+    return arr.ctypes.data_as(_i32p), len(arr)
+
+
+class _Buffer:
+    """A few tokens (a lookup's context, a step's new tokens) handed to the library through one kept ctypes array:
+    filled by slice assignment, a few microseconds under converting them to a NumPy array and taking its pointer."""
+
+    def __init__(self) -> None:
+        self.array = (ctypes.c_int32 * MAX_DRAFT)()
+
+    def fill(self, tokens) -> tuple[ctypes.Array | ctypes._Pointer, int]:
+        """(what the library reads the tokens from, how many): the kept array, or where they do not fit in it
+        (a prompt) or are not a list, a NumPy array's (_tokens)."""
+        n = len(tokens)
+        if n > MAX_DRAFT or not isinstance(tokens, list):
+            return _tokens(tokens)
+        self.array[:n] = tokens
+        return self.array, n
 
 
 class SuffixTree:
@@ -108,6 +131,7 @@ class SuffixTree:
         self._out_parents = (ctypes.c_int32 * MAX_DRAFT)()
         self._out_probs = (ctypes.c_float * MAX_DRAFT)()
         self._out_match = ctypes.c_int(0)
+        self._in = _Buffer()
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -116,8 +140,8 @@ class SuffixTree:
 
     def extend(self, seq_id: int, tokens) -> None:
         """Append tokens to sequence seq_id (created on first use)."""
-        arr, ptr = _tokens(tokens)
-        if len(arr) and self._lib.sst_extend(self._handle, seq_id, ptr, len(arr)) != 0:
+        ptr, n = self._in.fill(tokens)
+        if n and self._lib.sst_extend(self._handle, seq_id, ptr, n) != 0:
             self.remove(seq_id)
             raise MemoryError("the suffix tree ran out of memory")
 
@@ -138,8 +162,7 @@ class SuffixTree:
 
     def count(self, tokens) -> int:
         """How often `tokens` occur in the held sequences (substrings up to max_depth long)."""
-        arr, ptr = _tokens(tokens)
-        return int(self._lib.sst_count(self._handle, ptr, len(arr)))
+        return int(self._lib.sst_count(self._handle, *self._in.fill(tokens)))
 
     def speculate(
         self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -156,13 +179,28 @@ class SuffixTree:
         after its parent (parents[i]: an earlier index, or -1 for a token that follows the context)."""
         return self._speculate(context, max_tokens, max_spec_factor, min_token_prob, True)
 
-    def _speculate(self, context, max_tokens, factor, min_prob, tree):
-        ctx = context[-self.max_depth :]
-        arr, ptr = _tokens(ctx)
-        n = self._lib.sst_speculate(
-            self._handle, ptr, len(arr), min(max_tokens, MAX_DRAFT), factor, min_prob, int(tree),
+    def speculate_held(
+        self, seq_id: int, max_tokens: int, max_spec_factor: float, min_token_prob: float, tree: bool = False
+    ) -> tuple[list[int], list[int], list[float], int]:
+        """(tokens, parents, chances, match length) as speculate_tree (tree) or speculate (parents then all name
+        the token before) give them for a context that is held sequence seq_id's own last tokens, without
+        walking its suffixes from the root: a request's own tree, where every suffix of its text matches.
+        Nothing where seq_id is not held."""
+        n = self._lib.sst_speculate_held(
+            self._handle, seq_id, min(max_tokens, MAX_DRAFT), max_spec_factor, min_token_prob, int(tree),
             self._out_tokens, self._out_parents, self._out_probs, ctypes.byref(self._out_match),
         )
+        return self._drafted(n)
+
+    def _speculate(self, context, max_tokens, factor, min_prob, tree):
+        ctx = context[-self.max_depth :]
+        n = self._lib.sst_speculate(
+            self._handle, *self._in.fill(ctx), min(max_tokens, MAX_DRAFT), factor, min_prob, int(tree),
+            self._out_tokens, self._out_parents, self._out_probs, ctypes.byref(self._out_match),
+        )
+        return self._drafted(n)
+
+    def _drafted(self, n: int) -> tuple[list[int], list[int], list[float], int]:
         if n < 0:
             raise MemoryError("the suffix tree ran out of memory while speculating")
         return list(self._out_tokens[:n]), list(self._out_parents[:n]), list(self._out_probs[:n]), int(self._out_match.value)

@@ -135,11 +135,13 @@ class SuffixProposer(Proposer):
     def draft(self, seq: Sequence, k: int) -> Draft:
         """The better of the request's own tree's draft and the global cache's (by the sum of chances: the
         expected accepted tokens), up to k tokens; a tree where trees are verified here."""
-        context = seq.token_ids[-self.max_depth :]
         local = self._sync(seq)
-        args = (context, k, self.max_spec_factor, self.min_token_prob)
-        mine = local.tree.speculate_tree(*args) if self.trees else local.tree.speculate(*args)
-        earlier = self.cache.speculate(seq.cache_salt, *args, tree=self.trees)
+        # The request's own tree holds its text up to the last token: its matches are that text's suffixes.
+        mine = local.tree.speculate_held(0, k, self.max_spec_factor, self.min_token_prob, self.trees)
+        if not self.trees:
+            mine = (mine[0], mine[2], mine[3])
+        context = seq.token_ids[-self.max_depth :]
+        earlier = self.cache.speculate(seq.cache_salt, context, k, self.max_spec_factor, self.min_token_prob, tree=self.trees)
         best = max(mine, earlier, key=lambda d: sum(d[-2]))
         if not best[0]:
             return Draft([])

@@ -101,16 +101,43 @@ public:
     // every node comes after its parent.
     int speculate(const int32_t* ctx, int n, int max_tokens, float factor, float min_prob, bool tree,
                   int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) const {
-        int best_len = 0;
-        float best_score = 0.0f;
-        *out_match = 0;
-        std::vector<int32_t> tokens, parents;
-        std::vector<float> probs;
+        std::vector<int32_t> matches;  // the node of the context's last len tokens, by len - 1
         const int longest = std::min(n, max_depth_);
         for (int len = 1; len <= longest; len++) {
             int32_t node = 0;
             for (int i = n - len; i < n && node >= 0; i++) node = child(node, ctx[i]);
             if (node < 0) break;  // a longer suffix cannot occur where this one does not
+            matches.push_back(node);
+        }
+        return best_draft(matches, max_tokens, factor, min_prob, tree, out_tokens, out_parents, out_probs, out_match);
+    }
+
+    // As speculate() for the context that is held sequence id's own last tokens: their nodes are the
+    // sequence's active ones (every suffix up to max_depth tokens), so no suffix is walked from the root
+    // (a root walk per match length is a hash lookup per token: most of a lookup's time in a request's own
+    // tree, where every length matches). Nothing where the sequence is not held.
+    int speculate_held(int64_t id, int max_tokens, float factor, float min_prob, bool tree, int32_t* out_tokens,
+                       int32_t* out_parents, float* out_probs, int* out_match) const {
+        auto it = seqs_.find(id);
+        if (it == seqs_.end()) {
+            *out_match = 0;
+            return 0;
+        }
+        const std::deque<int32_t>& active = it->second.active;  // deepest first
+        const std::vector<int32_t> matches(active.rbegin(), active.rend());
+        return best_draft(matches, max_tokens, factor, min_prob, tree, out_tokens, out_parents, out_probs, out_match);
+    }
+
+private:
+    int best_draft(const std::vector<int32_t>& matches, int max_tokens, float factor, float min_prob, bool tree,
+                   int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) const {
+        int best_len = 0;
+        float best_score = 0.0f;
+        *out_match = 0;
+        std::vector<int32_t> tokens, parents;
+        std::vector<float> probs;
+        for (int len = 1; len <= static_cast<int>(matches.size()); len++) {
+            const int32_t node = matches[len - 1];
             const int cap = std::min(max_tokens, static_cast<int>(len * factor + 1e-6f));
             tokens.clear();
             parents.clear();
@@ -129,7 +156,6 @@ public:
         return best_len;
     }
 
-private:
     static uint64_t key(int32_t parent, int32_t token) {
         return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
     }
@@ -302,6 +328,17 @@ int sst_speculate(void* tree, const int32_t* ctx, int n, int max_tokens, float f
     try {
         return static_cast<Tree*>(tree)->speculate(ctx, n, max_tokens, factor, min_prob, as_tree != 0, out_tokens,
                                                    out_parents, out_probs, out_match);
+    } catch (...) {
+        return -1;
+    }
+}
+
+// As sst_speculate for held sequence seq's own last tokens (Tree::speculate_held): none where it is not held.
+int sst_speculate_held(void* tree, int64_t seq, int max_tokens, float factor, float min_prob, int as_tree,
+                       int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) {
+    try {
+        return static_cast<Tree*>(tree)->speculate_held(seq, max_tokens, factor, min_prob, as_tree != 0, out_tokens,
+                                                        out_parents, out_probs, out_match);
     } catch (...) {
         return -1;
     }
