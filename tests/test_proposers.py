@@ -1,6 +1,13 @@
 """Proposers: n-gram prompt lookup."""
 
-from specstream.spec_decode.ngram import NgramProposer
+import random
+
+import numpy as np
+
+from specstream.sampling import SamplingParams
+from specstream.sequence import Sequence
+from specstream.spec_decode.ngram import NgramProposer, TokenArray
+from specstream.spec_decode.proposer import Draft
 
 
 def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
@@ -103,3 +110,30 @@ def test_long_matches_look_a_window_up_whole_where_two_windows_share_a_hash(monk
     assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3], 3, exact) == ([9, 4, 5], 3)
     assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8], 3, exact) == ([], 0)  # [8] occurred nowhere before
     assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8, 6, 1], 3, exact) == ([], 0)  # [6, 1]: 2 tokens, short
+
+
+def test_token_array_follows_a_growing_sequence_and_reads_a_shorter_one_again():
+    rng = random.Random(5)
+    held = TokenArray()
+    tokens: list[int] = []
+    for _ in range(80):  # past the first buffer's 256 tokens
+        tokens += [rng.randrange(50_000) for _ in range(rng.randrange(1, 9))]
+        view = held.view(tokens)
+        assert view.dtype == np.int64 and view.tolist() == tokens
+    assert held.view(tokens[:10]).tolist() == tokens[:10]  # shorter: read again, not the old tail
+    assert held.view([7, 8]).tolist() == [7, 8]
+
+
+def test_ngram_drafts_the_same_from_a_sequences_kept_array_as_from_its_list():
+    rng = random.Random(6)
+    for trees in (False, True):
+        p = NgramProposer(1, 4, trees=trees)
+        seq = Sequence("r", [rng.randrange(6) for _ in range(20)], SamplingParams(max_tokens=200), 0)
+        for _ in range(60):
+            seq.token_ids += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            listed = p.draft_tree(list(seq.token_ids), 5) if trees else Draft(p.lookup(list(seq.token_ids), 5))
+            (drafted,) = p.propose([seq], [5])
+            assert (drafted.tokens, drafted.parents, drafted.chances) == (listed.tokens, listed.parents, listed.chances)
+            assert p.match(p.tokens_of(seq), 5) == p.match(list(seq.token_ids), 5)
+        p.release(seq)
+        assert not p._arrays

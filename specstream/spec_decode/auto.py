@@ -228,12 +228,13 @@ class AutoProposer(Proposer):
         held = self._matches.pop(seq.request_id, None)
         if held is not None and held[0] == len(seq.token_ids):
             return held[1][:k], held[2]
-        return self.ngram.match(seq.token_ids, k)
+        return self.ngram.match(self.ngram.tokens_of(seq), k)
 
     def release(self, seq: Sequence) -> None:
         self._matches.pop(seq.request_id, None)
         self._long.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
+        self.ngram.release(seq)
         if self.head is not None:
             self.head.release(seq)
         if self.suffix is not None:
