@@ -13,7 +13,9 @@ a node, measured), so the default cache (256 requests) takes at most about 170 M
 that, and a running request's own tree at most about 2 MB plus its output's share.
 
 Each round, both trees are matched against the sequence's last tokens and continued along the most
-frequent path; the draft with the larger sum of estimated chances is proposed. A draft is at most
+frequent path; the draft with the larger sum of estimated chances is proposed. The request's own tree holds
+those tokens itself, so its matches are its sequence's own nodes (SuffixTree.speculate_held), not walks
+from the root (every suffix matches there). A draft is at most
 `suffix_max_spec_factor` times its match length long, and stops at the first token whose estimated chance
 (child count over parent count, multiplied along the path) falls under `suffix_min_token_prob`.
 
