@@ -1,6 +1,7 @@
 """Quantized projections: the int4 layout represents GGUF's 4-bit blocks exactly, the kernels compute
 what the layout says, and speculative output still equals plain output with quantized weights."""
 
+import types
 import numpy as np
 import pytest
 import torch
@@ -303,6 +304,27 @@ def test_kernel_routes_timed_once_are_replayed_from_their_file(tmp_path, monkeyp
     assert third.max_packed_rows == 1 << 30 and routes.load_routes(path) == {"256x256": 1 << 30}
 
 
+def test_a_shape_the_kept_routes_do_not_name_is_timed_once_and_kept_beside_them(tmp_path, monkeypatch):
+    """A kept routes file without a shape (written by a start whose routes were not timed, or before the model had
+    the shape) has that shape timed and added to it: the start after that times nothing."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16))
+
+    def build():
+        factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
+        factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
+        return factory
+
+    path = tmp_path / "routes.json"
+    routes.save_routes(path, {"64x64": 8})
+    monkeypatch.setattr(routes, "_faster_packed", lambda group, x: x.shape[0] <= 16)
+    (first,) = routes.settle(build(), model, 64, routes_file=path)
+    assert first.max_packed_rows == 16 and routes.load_routes(path) == {"64x64": 8, "256x256": 16}
+    monkeypatch.setattr(routes, "_faster_packed", lambda *args: pytest.fail("timed again"))
+    (second,) = routes.settle(build(), model, 64, routes_file=path)
+    assert second.max_packed_rows == 16
+
+
 def test_auto_quantization_is_the_default_for_the_engine_and_serve(monkeypatch):
     from gateway.cli import build_parser
 
@@ -477,3 +499,47 @@ def test_one_noisy_timing_does_not_end_the_packed_kernels_range(monkeypatch):
     assert route({12, 24, 32}) == (16, every[:8])  # two losses in a row end it
     assert route({1, 2}) == (0, [1, 2])  # the dense GEMM wins from the start: no packed route
     assert route({1, 4}) == (1 << 30, every)
+
+
+def test_a_floor_extends_the_packed_range_that_timing_or_a_kept_route_ends_earlier(monkeypatch, tmp_path):
+    """floors: a shape's packed range runs at least that many rows (capped at the largest step) where timing, or a
+    route kept from an earlier start, would end it earlier; a shape the packed kernel never wins stays dense."""
+
+    def route(losing_rows: set[int], floors, routes_file=None) -> int:
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16))  # what release_unused frees
+        factory = LinearFactory("int4", torch.bfloat16, torch.device("cpu"))
+        factory(["w"], torch.randn(256, 256, dtype=torch.bfloat16))
+        monkeypatch.setattr(routes, "_faster_packed", lambda group, x: x.shape[0] not in losing_rows)
+        (choice,) = routes.settle(factory, model, 128, routes_file=routes_file, floors=floors)
+        return choice.max_packed_rows
+
+    losing = {24, 32, 48, 64, 96, 128}
+    assert route(losing, None) == 16
+    assert route(losing, {(256, 256): 64}) == 64
+    assert route(losing, {(256, 256): 8}) == 16  # a floor never shortens a range
+    assert route(losing, {(128, 256): 64}) == 16  # another shape's floor
+    assert route({1, 2}, {(256, 256): 64}) == 0  # the dense GEMM wins from one row: no packed route to extend
+    assert route(losing, {(256, 256): 1000}) == 1 << 30  # past the largest step: packed serves every step
+    kept = tmp_path / "routes.json"
+    routes.save_routes(kept, {"256x256": 16})
+    assert route(set(), {(256, 256): 64}, kept) == 64  # a kept route is extended as a timed one is
+
+
+def test_the_decoder_layers_keep_the_packed_kernels_up_to_the_compiled_steps_rows_on_amx_tiles(tiny_model_dir, monkeypatch):
+    """Where the block kernels multiply on AMX tiles, the layers' projections (not the LM head) get a floor of
+    COMPILED_MAX_ROWS, so the compiled forward serves every step up to it; elsewhere, none."""
+    from specstream.engine.builder import EngineBuilder
+    from specstream.model import fast_llama
+
+    builder = EngineBuilder(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", quantization="int4"))
+    q4 = types.SimpleNamespace(kernel=("q4",))
+    layer = (None, *(types.SimpleNamespace(packed=q4, shape=s) for s in [(96, 64), (64, 64)]), None,
+             *(types.SimpleNamespace(packed=q4, shape=s) for s in [(256, 64), (64, 128)]))
+    dense = types.SimpleNamespace(packed=None, shape=(32, 32))
+    runner = types.SimpleNamespace(fast=types.SimpleNamespace(layers=[layer, (None, dense, dense, None, dense, dense)]))
+    monkeypatch.setattr(cpu_kernels, "block_tiles", lambda: True)
+    floors = builder.packed_floors(runner)
+    assert floors == {s: fast_llama.COMPILED_MAX_ROWS for s in [(96, 64), (64, 64), (256, 64), (64, 128)]}
+    monkeypatch.setattr(cpu_kernels, "block_tiles", lambda: False)
+    assert builder.packed_floors(runner) == {}

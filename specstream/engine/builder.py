@@ -197,10 +197,24 @@ class EngineBuilder:
             [mode, self.config.max_num_batched_tokens, factory.kernel_kinds, self.kernels_key(), routes.RULE],
         )
         choices = routes.settle(
-            factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic, routes_file=routes_file
+            factory, model, self.config.max_num_batched_tokens, timed=not self.config.deterministic,
+            routes_file=routes_file, floors=self.packed_floors(runner),
         )
         runner.fast.routes_settled()
         return runner, routes.describe(factory, choices)
+
+    def packed_floors(self, runner: ModelRunner) -> dict[tuple[int, int], int]:
+        """Where the block kernels multiply bfloat16 rows on AMX tiles, the decoder layers' projections keep them up
+        to fast_llama.COMPILED_MAX_ROWS rows, whatever start-up times for a projection alone. A route ending below
+        that takes every step above it off the compiled forward (CompiledSteps.rows), whose graphs save more than
+        the dense GEMM does; and measured in whole forwards on a Xeon with AMX, the tiles beat the dense GEMM at
+        25-64 rows eager too (README, "Steps of up to 64 rows compiled on AMX"). Elsewhere the timing decides alone:
+        the vector kernels' cost grows with every row."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_kernels.block_tiles():
+            return {}
+        layers = [lin for layer in runner.fast.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
+        return {lin.shape: fast_llama.COMPILED_MAX_ROWS for lin in layers
+                if lin.packed is not None and lin.packed.kernel[0] in ("q4", "q8")}
 
     def stream_dtype(self, mode: str) -> torch.dtype | None:
         """The residual stream's dtype where it is wider than the weights': float32 under a8 with 16-bit

@@ -141,6 +141,12 @@ def loaded() -> bool:
     return bool(_loaded)
 
 
+def block_tiles() -> bool:
+    """Whether the block-weight kernels (q4_linear, q8_linear) multiply bfloat16 rows on AMX tiles here: the
+    kernels are loaded, and this CPU and build have the tile path. Loads nothing."""
+    return loaded() and 1 in torch.ops.specstream.q4_paths() and 1 in torch.ops.specstream.q8_paths()
+
+
 def _command(source: list[Path]) -> list[str]:
     """The compiler's command line, less its output file."""
     point_inductor_here()  # before inductor loads: pick_vec_isa's probe builds go to its cache

@@ -80,6 +80,7 @@ def choose_kernels(
     device: torch.device,
     timed: bool = True,
     routes: dict[str, int] | None = None,
+    floors: dict[tuple[int, int], int] | None = None,
 ) -> list[KernelChoice]:
     """For each weight shape, time the packed kernel against the dense GEMM at growing row counts (the
     fastest of a few runs, interleaved) and route to the packed kernel up to the last count where it wins
@@ -87,7 +88,8 @@ def choose_kernels(
     A dense copy is dropped where it never wins or does not fit in memory. timed=False routes every call
     to the packed kernel without timing anything, so the route, and the rounding, is the same on every
     start (invariant mode: timings differ between starts, and so would the kernels chosen). routes maps
-    "NxK" to a limit timed by an earlier start (load_routes): those shapes are not timed again."""
+    "NxK" to a limit timed by an earlier start (load_routes): those shapes are not timed again. floors maps a
+    shape to the fewest rows its packed range covers where timing (or a kept route) would end it earlier."""
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None:
@@ -112,6 +114,8 @@ def choose_kernels(
                 break
         if timed_here and saved is not None:
             limit = min(saved, probes[-1])
+        if timed_here and limit and (floors or {}).get(shape):
+            limit = max(limit, min(floors[shape], probes[-1]))
         dense_bytes = sum(lin.dense.nbytes for lin in group)
         keep = limit < probes[-1] and (limit == 0 or dense_bytes <= budget)
         if keep:
@@ -129,17 +133,25 @@ def choose_kernels(
 
 
 def settle(
-    factory: LinearFactory, model, max_rows: int, timed: bool = True, routes_file: Path | None = None
+    factory: LinearFactory,
+    model,
+    max_rows: int,
+    timed: bool = True,
+    routes_file: Path | None = None,
+    floors: dict[tuple[int, int], int] | None = None,
 ) -> list[KernelChoice]:
     """Measure the kernels for each shape (see choose_kernels for timed), then free the dense weights no
     projection reads any more. With routes_file, the routes an earlier start timed are read from it (and
     the ones timed now written to it): a restart skips the timing and serves the same kernels, so the
-    same bf16 rounding, as the start before it."""
+    same bf16 rounding, as the start before it. floors: as choose_kernels takes them."""
     routes = load_routes(routes_file) if timed and routes_file else None
-    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed, routes)
+    choices = choose_kernels(factory.quantized, max_rows, factory.dtype, factory.device, timed, routes, floors)
     factory.release_unused(model)
-    if timed and routes_file and routes is None:
-        save_routes(routes_file, {_shape_key(c.shape): c.max_packed_rows for c in choices})
+    # Shapes the kept file did not name (none, where there was no file) were timed now: kept beside its others,
+    # so that the next start times nothing.
+    timed_now = {_shape_key(c.shape): c.max_packed_rows for c in choices if _shape_key(c.shape) not in (routes or {})}
+    if timed and routes_file and (routes is None or timed_now):
+        save_routes(routes_file, {**(routes or {}), **timed_now})
     return choices
 
 
