@@ -531,13 +531,16 @@ def test_the_decoder_layers_keep_the_packed_kernels_up_to_the_compiled_steps_row
     COMPILED_MAX_ROWS, so the compiled forward serves every step up to it; elsewhere, none."""
     from specstream.engine.builder import EngineBuilder
     from specstream.model import fast_llama
+    from specstream.model.fast_llama import FastLlama
 
     builder = EngineBuilder(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", quantization="int4"))
     q4 = types.SimpleNamespace(kernel=("q4",))
     layer = (None, *(types.SimpleNamespace(packed=q4, shape=s) for s in [(96, 64), (64, 64)]), None,
              *(types.SimpleNamespace(packed=q4, shape=s) for s in [(256, 64), (64, 128)]))
     dense = types.SimpleNamespace(packed=None, shape=(32, 32))
-    runner = types.SimpleNamespace(fast=types.SimpleNamespace(layers=[layer, (None, dense, dense, None, dense, dense)]))
+    layers = [layer, (None, dense, dense, None, dense, dense)]
+    runner = types.SimpleNamespace(fast=types.SimpleNamespace(layers=layers))
+    runner.fast.layer_projections = lambda: FastLlama.layer_projections(runner.fast)
     monkeypatch.setattr(cpu_kernels, "block_tiles", lambda: True)
     floors = builder.packed_floors(runner)
     assert floors == {s: fast_llama.COMPILED_MAX_ROWS for s in [(96, 64), (64, 64), (256, 64), (64, 128)]}

@@ -212,8 +212,7 @@ class EngineBuilder:
         the vector kernels' cost grows with every row."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_kernels.block_tiles():
             return {}
-        layers = [lin for layer in runner.fast.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
-        return {lin.shape: fast_llama.COMPILED_MAX_ROWS for lin in layers
+        return {lin.shape: fast_llama.COMPILED_MAX_ROWS for lin in runner.fast.layer_projections()
                 if lin.packed is not None and lin.packed.kernel[0] in ("q4", "q8")}
 
     def stream_dtype(self, mode: str) -> torch.dtype | None:

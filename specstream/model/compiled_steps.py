@@ -56,7 +56,7 @@ class CompiledSteps:
         if fast.tile:
             raise ValueError("the compiled layer does not tile: invariant mode runs eager")
         self.layer_count = len(fast.layers)
-        linears = [lin for layer in fast.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
+        linears = fast.layer_projections()
         limits = [lin.max_packed_rows for lin in linears if lin.packed is not None and lin.dense is not None]
         self.rows = max(min([COMPILED_MAX_ROWS, *limits]), 0)
         self.kernels = [

@@ -230,13 +230,17 @@ class FastLlama:
         self.steps = None
         self._local = threading.local()
 
+    def layer_projections(self) -> list[Projection]:
+        """Every decoder layer's projections (q/k/v, o, gate/up, down), layer by layer: the ones the compiled steps run."""
+        return [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
+
     def routes_settled(self) -> None:
         """Called once the projections' routes are settled (kernels/routes.py). Where every projection computes
         a row alone at every row count (a8's kernel, no dense route), prefill chunks of short prompts attend
         through the same kernel as decoding, so that a token's logits do not depend on how its prompt was
         chunked (a prefix-cache hit, a preemption). Elsewhere the routes break that anyway, and SDPA prefills
         faster."""
-        projections = [self.lm_head, *(lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5]))]
+        projections = [self.lm_head, *self.layer_projections()]
         self.kernel_prefill = self.math.attention_kernel and all(
             isinstance(lin, Linear) and lin.packed is not None and lin.packed.kernel[0] == "a8" and lin.dense is None
             for lin in projections
