@@ -96,7 +96,11 @@ class CostModel:
         for s in seconds:
             self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
         self.log_speed = 0.0  # the online correction of the whole curve, in log
-        self.log_scale = [0.0] * len(self.tokens)  # and of its shape at each timed size, in log
+        # and of its shape at each timed size, in log: learned from the steps near that size once there is one
+        # (seen); until then, the next smaller size's correction (effective, with the monotone floor: _shape)
+        self.log_scale = [0.0] * len(self.tokens)
+        self.seen = [False] * len(self.tokens)
+        self.effective = [0.0] * len(self.tokens)
         self.observed = 0  # steps observed
 
     def timed(self, n: float) -> float:
@@ -122,7 +126,7 @@ class CostModel:
     def __call__(self, n: float) -> float:
         if not self.observed:
             return self.timed(n)
-        return self.timed(n) * math.exp(self.log_speed + sum(w * self.log_scale[j] for j, w in self._weights(n)))
+        return self.timed(n) * math.exp(self.log_speed + sum(w * self.effective[j] for j, w in self._weights(n)))
 
     def observe(self, n: int, seconds: float) -> None:
         """A step over n tokens took `seconds`: move the curve toward it (mostly as a whole, a little near n)."""
@@ -131,14 +135,24 @@ class CostModel:
         error = min(max(math.log(seconds / self(n)), -ONLINE_CLIP), ONLINE_CLIP)
         self.log_speed += ONLINE_RATE * error
         for j, w in self._weights(n):
+            if w > 0 and not self.seen[j]:  # its first step: it starts from the correction it was priced with
+                self.seen[j], self.log_scale[j] = True, self.effective[j]
             self.log_scale[j] = min(max(self.log_scale[j] + SHAPE_RATE * w * error, -SHAPE_BOUND), SHAPE_BOUND)
-        # A forward over more tokens never costs less, corrected too: each size's own correction, learned from
-        # the steps near it (whose prefill chunks and sequences vary), may not price it below a smaller size, or
-        # rows added past it would look free, and more of them cheaper than fewer.
-        for j in range(1, len(self.tokens)):
-            floor = self.log_scale[j - 1] + math.log(self.seconds[j - 1] / self.seconds[j])
-            self.log_scale[j] = max(self.log_scale[j], floor)
+        self._shape()
         self.observed += 1
+
+    def _shape(self) -> None:
+        """The correction each size is priced with. A size no step has come near takes the next smaller size's:
+        the curve keeps its timed shape above the sizes the engine runs. (Floored at the smaller size's price
+        instead, a size above a few hundred steps of 32 rows that ran slower than timed was priced as the 32-row
+        step, and the 33rd row, the start of a third pass of the tiled kernels, looked free.) And a forward over
+        more tokens never costs less, corrected too: each size's own correction, learned from the steps near it
+        (whose prefill chunks and sequences vary), may not price it below a smaller size, or rows added past it
+        would look free, and more of them cheaper than fewer."""
+        for j in range(len(self.tokens)):
+            own = self.log_scale[j] if self.seen[j] or not j else self.effective[j - 1]
+            floor = self.effective[j - 1] + math.log(self.seconds[j - 1] / self.seconds[j]) if j else -math.inf
+            self.effective[j] = max(own, floor)
 
     def suspect(self) -> bool:
         """Whether the curve as timed prices a second token above SUSPECT_RATIO times a one-token step."""
@@ -154,6 +168,7 @@ class CostModel:
                 moved = True
         for j in range(1, len(self.seconds)):  # a forward over more tokens never costs less
             self.seconds[j] = max(self.seconds[j], self.seconds[j - 1])
+        self._shape()
         return moved
 
     def save(self, path: Path) -> None:

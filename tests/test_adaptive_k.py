@@ -497,3 +497,21 @@ def test_the_online_correction_keeps_the_curve_monotone():
     points = [cost(n) for n in cost.tokens]
     assert points == sorted(points)
     assert cost(48) >= cost(33) > cost(32)
+
+
+def test_a_size_no_step_came_near_keeps_the_timed_jump_above_the_sizes_run():
+    """32 sequences decoding without drafts: hundreds of 32-row steps, slower than timed (the curve times 16
+    sequences' runs of 2 rows), and none of 33. The 33rd row starts another pass of the tiled kernels: the curve
+    prices it at its timed jump scaled as the 32-row step is, not at nothing (floored at the 32-row step's
+    price, it looked free). Once 33-row steps run, the size learns its own correction from there."""
+    cost = CostModel([1, 16, 32, 33, 48], [0.008, 0.014, 0.025, 0.0295, 0.035])
+    for _ in range(300):
+        cost.observe(32, 0.040)
+        cost.observe(1, 0.008)
+    assert cost(32) == pytest.approx(0.040, rel=0.05) and cost(1) == pytest.approx(0.008, rel=0.05)
+    assert cost(33) - cost(32) == pytest.approx(0.0045 * cost(32) / 0.025, rel=0.05)
+    assert cost(48) / cost(33) == pytest.approx(0.035 / 0.0295)
+    for _ in range(300):
+        cost.observe(33, 0.042)
+        cost.observe(32, 0.040)
+    assert cost(33) == pytest.approx(0.042, rel=0.05) and cost(32) == pytest.approx(0.040, rel=0.05)
