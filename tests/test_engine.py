@@ -442,3 +442,27 @@ def test_the_proposer_is_told_the_step_its_drafts_join(tiny_model_dir):
     assert bases and bases[0] == StepBase(1, 1.0)
     assert StepBase(1 + 30, 1.0, 30) in bases  # the second prompt's 30 tokens, in one chunk, beside one decoder
     assert StepBase(2, 2.0) in bases
+
+
+def test_waiting_prompts_are_not_held_back_for_drafts_the_policy_declines(tiny_model_dir):
+    """While prompts wait, a step holds room for the decodes' drafts (at most half of what is left) and gives the
+    prompts the rest. It holds only what the k policy grants the decodes: room held for drafts it then declines
+    (`auto` at many streams, where few drafts pay) made every prompt's prefill take more, smaller steps."""
+
+    def first_chunk(declines: bool) -> tuple[int, list[int]]:
+        eng = engine(tiny_model_dir, "ngram", k=8, max_num_batched_tokens=64)
+        eng.add_request(PROMPTS[3], GREEDY)
+        while not any(s.is_decoding for s in eng.scheduler.running):
+            eng.step()
+        if declines:
+            eng.scheduler.policy.choose = lambda seqs, base_tokens, budget: [0] * len(seqs)
+        eng.add_request("word " * 40, GREEDY)  # longer than a step's budget
+        plans = []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        eng.step()
+        (_, chunk), = plans[0].prefills
+        return chunk, plans[0].ks
+
+    assert first_chunk(declines=False) == (64 - 1 - 8, [8])  # a policy drafting k=8: room for its 8 drafts
+    assert first_chunk(declines=True) == (64 - 1, [0])  # one drafting none: the prompt takes all the rest

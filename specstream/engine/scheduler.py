@@ -122,8 +122,11 @@ class Scheduler:
         budget -= len(plan.decodes)
         draft_room = min(budget, len(plan.decodes) * self.policy.k_max)
         if self.waiting or any(not s.is_decoding for s in self.running):
-            # Prompts are waiting: drafts may take at most half of what is left.
+            # Prompts are waiting: drafts may take at most half of what is left, and no more than the k policy
+            # grants the decodes alone. (Room held for drafts the policy then declines is a smaller prefill
+            # chunk: at 32 streams of `auto`, where few drafts pay, prompts took half again as many steps.)
             draft_room = min(draft_room, budget // 2)
+            draft_room = sum(self.policy.choose(plan.decodes, len(plan.decodes), draft_room)) if draft_room else 0
         budget = self._schedule_prefills(plan, budget - draft_room) + draft_room
         if plan.empty and len(self.running) > 1:
             # Prefilling sequences filled the pool between them: make room for the oldest.
