@@ -79,37 +79,36 @@ def test_ngram_tree_of_one_occurrence_is_the_chain():
     assert p.draft_tree([1, 2, 3, 4], 5).tokens == []
 
 
-def test_long_matches_kept_as_tokens_grow_find_what_a_whole_lookup_finds_from_their_length_on():
-    """LongMatches (auto's test for a copy, every step) gives NgramProposer.match's answer wherever the matched
-    suffix is at least `shortest` tokens long, and nothing elsewhere, token by token as a sequence grows, asked
-    once or twice a token, with small vocabularies (many matches) and large (few)."""
-    import random
-
-    from specstream.spec_decode.ngram import LongMatches
+def test_match_index_kept_as_tokens_grow_finds_what_a_whole_lookup_finds():
+    """MatchIndex (the chain lookups of auto and n-gram, every step) gives NgramProposer.match's answer, as a
+    sequence grows by one token or by several at once (a prompt, a round's accepted drafts), asked once or twice
+    at a length, with small vocabularies (many matches) and large (few), and again after the list shrinks."""
+    from specstream.spec_decode.ngram import MatchIndex
 
     rng = random.Random(0)
-    for low, high in ((1, 4), (2, 5), (1, 2)):
+    for low, high in ((1, 4), (2, 5), (1, 2), (3, 3)):
         exact = NgramProposer(low, high)
-        for _ in range(60):
-            tokens = [rng.randrange(rng.choice([2, 4, 50])) for _ in range(rng.randrange(1, 40))]
-            longs = LongMatches(max(3, low), high)
-            for length in range(len(tokens) + 1):
+        for _ in range(80):
+            tokens = [rng.randrange(rng.choice([2, 4, 50])) for _ in range(rng.randrange(1, 60))]
+            index = MatchIndex(low, high)
+            length = 0
+            while length <= len(tokens):
                 for _ in range(1 + length % 2):
-                    tokens_now, n = exact.match(tokens[:length], 5)
-                    assert longs.match(tokens[:length], 5, exact) == ((tokens_now, n) if n >= 3 else ([], 0))
+                    assert index.match(tokens[:length], 5) == exact.match(tokens[:length], 5), (tokens[:length], low, high)
+                length += rng.choice([1, 1, 1, 2, 3, 9])
+            cut = rng.randrange(len(tokens) + 1)
+            assert index.match(tokens[:cut], 3) == exact.match(tokens[:cut], 3)
 
 
-def test_long_matches_look_a_window_up_whole_where_two_windows_share_a_hash(monkeypatch):
-    """Windows are kept by hash: where the window found is not the sequence's last (a collision), the match is
-    looked up whole, and a short one is not returned."""
-    from specstream.spec_decode import ngram
-
-    monkeypatch.setattr(ngram, "hash", lambda window: 0, raising=False)  # every window collides
-    exact = NgramProposer(1, 4)
-    longs = ngram.LongMatches(3, 4)
-    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3], 3, exact) == ([9, 4, 5], 3)
-    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8], 3, exact) == ([], 0)  # [8] occurred nowhere before
-    assert longs.match([1, 2, 3, 9, 4, 5, 6, 1, 2, 3, 7, 8, 6, 1], 3, exact) == ([], 0)  # [6, 1]: 2 tokens, short
+def test_ngram_chain_drafts_come_from_the_index_and_are_released_with_the_request():
+    p = NgramProposer(1, 3)
+    seq = Sequence("r", [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 6, 2, 3], SamplingParams(max_tokens=20), 0)
+    (draft,) = p.propose([seq], [3])
+    assert draft.tokens == [4, 7, 8] and draft.method == "ngram" and p.match_seq(seq, 2) == ([4, 7], 2)
+    seq.token_ids += [4, 7]
+    assert p.propose([seq], [2])[0].tokens == [8, 6]
+    p.release(seq)
+    assert not p._indexes
 
 
 def test_token_array_follows_a_growing_sequence_and_reads_a_shorter_one_again():

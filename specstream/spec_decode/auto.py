@@ -72,7 +72,7 @@ from specstream.spec_decode.policy import (
 )
 from specstream.spec_decode.draft_head import HeadError
 from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
-from specstream.spec_decode.ngram import LongMatches, NgramProposer
+from specstream.spec_decode.ngram import NgramProposer
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext
 from specstream.spec_decode.suffix import SuffixProposer, SuffixUnavailable
 from specstream.sequence import Sequence
@@ -132,10 +132,7 @@ class AutoProposer(Proposer):
     ) -> None:
         self.head = head
         self.k_max = k_max
-        # draft_hint's n-gram match of each sequence this step, by request: (tokens then, the match, its n)
-        self._matches: dict[str, tuple[int, list[int], int]] = {}
         self._hint_seconds = 0.0
-        self._long: dict[str, LongMatches] = {}  # by request: its n-gram matches of LONG_MATCH tokens or more
         self.ngram = ngram
         self.suffix = suffix
         self.head_prior = head_prior
@@ -194,16 +191,12 @@ class AutoProposer(Proposer):
         output: its acceptance is what such matches were accepted lately across sequences (by match length
         and sampling bucket), not the sequence's own record, which mixes every method's rounds and so grants
         a long match fewer drafts than it goes on being accepted for. Greedy requests only: sampled requests'
-        longer drafts measured slower (README). The match is kept for this step's propose."""
+        longer drafts measured slower (README). The match is the one propose then finds (the sequence's window
+        index, NgramProposer.match_seq: its new tokens go in here, and propose's lookup is a few gets)."""
         if not seq.params.greedy:
             return None
         started = time.perf_counter()
-        longs = self._long.get(seq.request_id)
-        if longs is None:
-            longs = self._long[seq.request_id] = LongMatches(max(LONG_MATCH, self.ngram.min_n), self.ngram.max_n)
-        tokens, n = longs.match(seq.token_ids, self.k_max, self.ngram)
-        if n >= LONG_MATCH:  # a shorter match (which this does not look for) is propose's to find
-            self._matches[seq.request_id] = (len(seq.token_ids), tokens, n)
+        tokens, n = self.ngram.match_seq(seq, self.k_max)
         self._hint_seconds += time.perf_counter() - started
         if n < LONG_MATCH or len(tokens) < 2:
             return None
@@ -223,16 +216,7 @@ class AutoProposer(Proposer):
             return tokens
         return []
 
-    def _match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
-        """seq's n-gram match, up to k tokens: draft_hint's of this step where it ran."""
-        held = self._matches.pop(seq.request_id, None)
-        if held is not None and held[0] == len(seq.token_ids):
-            return held[1][:k], held[2]
-        return self.ngram.match(self.ngram.tokens_of(seq), k)
-
     def release(self, seq: Sequence) -> None:
-        self._matches.pop(seq.request_id, None)
-        self._long.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
         self.ngram.release(seq)
         if self.head is not None:
@@ -274,7 +258,7 @@ class AutoProposer(Proposer):
                     continue
                 choice = self._seqs.setdefault(seq.request_id, _SeqChoice(Acceptance()))
                 bucket = sampling_bucket(seq.params)
-                tokens, n = self._match(seq, k)
+                tokens, n = self.ngram.match_seq(seq, k)
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)

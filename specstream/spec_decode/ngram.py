@@ -28,16 +28,28 @@ class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int, trees: bool = False) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.trees = trees
-        self._arrays: dict[str, TokenArray] = {}  # by request: its tokens as the lookups read them
+        self._arrays: dict[str, TokenArray] = {}  # by request: its tokens as the tree lookups read them
+        self._indexes: dict[str, MatchIndex] = {}  # by request: its windows as the chain lookups find them
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> NgramProposer:
         return cls(ctx.config.speculative.ngram_min, ctx.config.speculative.ngram_max, ctx.trees)
 
     def propose(self, seqs, ks):
-        draft = self.draft_tree if self.trees else lambda tokens, k: Draft(self.lookup(tokens, k), method="ngram")
         with self.timing_lookups(ks):
-            return [draft(self.tokens_of(s), k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+            return [self._draft(s, k) if k > 0 else Draft([]) for s, k in zip(seqs, ks)]
+
+    def _draft(self, seq: Sequence, k: int) -> Draft:
+        if self.trees:
+            return self.draft_tree(self.tokens_of(seq), k)
+        return Draft(self.match_seq(seq, k)[0], method="ngram")
+
+    def match_seq(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """seq's match as match() finds it, from the index of its windows kept as its tokens grow (MatchIndex)."""
+        index = self._indexes.get(seq.request_id)
+        if index is None:
+            index = self._indexes[seq.request_id] = MatchIndex(self.min_n, self.max_n)
+        return index.match(seq.token_ids, k)
 
     def tokens_of(self, seq: Sequence) -> np.ndarray:
         """seq's tokens as an array, converted a new token at a time (TokenArray)."""
@@ -48,6 +60,7 @@ class NgramProposer(Proposer):
 
     def release(self, seq: Sequence) -> None:
         self._arrays.pop(seq.request_id, None)
+        self._indexes.pop(seq.request_id, None)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.match(tokens, k)[0]
@@ -155,43 +168,51 @@ class TokenArray:
         return self._buffer[:n]
 
 
-class LongMatches:
-    """A sequence's n-gram match of at least `shortest` tokens (up to `longest`), kept as its tokens grow: each new
-    token's windows of those lengths go into dictionaries (by hash, to where they last ended), so a lookup costs a
-    few dictionary operations a new token, not NgramProposer.match's pass over the whole sequence (for every
-    sequence of every step where it runs; the first lookup reads the prompt's windows once). It finds what
-    NgramProposer.match finds (the latest earlier occurrence of the longest matching suffix) wherever that
-    suffix is `shortest` tokens or more, and nothing elsewhere."""
+class MatchIndex:
+    """A growing sequence's windows of min_n..max_n tokens, each kept (by its tokens: a tuple, or the token for
+    one) to where it last ended, so that a lookup costs a dictionary get per window length rather than
+    NgramProposer._occurrences' pass over the whole sequence, for every drafting sequence of every step (about
+    90 us a lookup over a conversation of a thousand tokens). New tokens' windows go in at each match: a
+    prompt's all at once (zip and dict.update over the list, in C), then a token or a round's few at a time.
+    match() finds what NgramProposer.match finds: the latest earlier occurrence of the longest suffix that
+    occurred before. `tokens` only grows between calls (a list shorter than the last is read again)."""
 
-    def __init__(self, shortest: int, longest: int) -> None:
-        self.shortest = shortest
-        self.sizes = range(longest, shortest - 1, -1)
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
         self.end = 0  # the windows of tokens[:end] are in `ends`
-        self.ends: dict[int, dict[int, int]] = {n: {} for n in self.sizes}  # n -> window hash -> where it last ended
+        self.ends: dict[int, dict] = {n: {} for n in self.sizes}  # n -> window -> where it last ended
         self.before: dict[int, int | None] = {}  # n -> where the last window of n ended before, if it occurred
 
-    def match(self, tokens: list[int], k: int, exact: NgramProposer) -> tuple[list[int], int]:
-        """(up to k tokens, the matched suffix's length) as exact.match gives them where that length is
-        `shortest` or more; ([], 0) where it is shorter. `tokens` only grows between calls (where it is shorter
-        than last time, it is read again)."""
-        if len(tokens) < self.end:
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the latest earlier occurrence of the longest suffix of max_n..min_n
+        tokens that occurred before, its length), or ([], 0)."""
+        length = len(tokens)
+        if length < self.end:
             self.end, self.before = 0, {}
             for ends in self.ends.values():
                 ends.clear()
-        for end in range(self.end + 1, len(tokens) + 1):
-            for n in self.sizes:
-                if end >= n:
-                    key = hash(tuple(tokens[end - n : end]))
-                    if end == len(tokens):
-                        self.before[n] = self.ends[n].get(key)
-                    self.ends[n][key] = end
-        self.end = len(tokens)
+        if length > self.end:
+            self._add(tokens, length)
         for n in self.sizes:
             last = self.before.get(n)
-            if last is None:
-                continue
-            if tokens[last - n : last] != tokens[len(tokens) - n :]:  # two windows of one hash: look it up whole
-                found = exact.match(tokens, k)
-                return found if found[1] >= self.shortest else ([], 0)
-            return tokens[last : last + k], n
+            if last is not None:
+                return tokens[last : last + k], n
         return [], 0
+
+    def _add(self, tokens: list[int], length: int) -> None:
+        """The windows ending at self.end + 1 .. length; the last one's earlier end noted (before) ahead of it."""
+        for n in self.sizes:
+            ends = self.ends[n]
+            first = max(self.end + 1, n)  # the first new window's end
+            if first > length:
+                self.before[n] = None
+                continue
+            if first < length:  # the windows before the last (a decode step adds none)
+                if n == 1:
+                    ends.update(zip(tokens[first - 1 : length - 1], range(first, length)))
+                else:
+                    ends.update(zip(zip(*(tokens[first - n + i : length - n + i] for i in range(n))), range(first, length)))
+            last = tokens[length - 1] if n == 1 else tuple(tokens[length - n : length])
+            self.before[n] = ends.get(last)
+            ends[last] = length
+        self.end = length
