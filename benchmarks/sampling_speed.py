@@ -1,7 +1,8 @@
 """Sampled decoding with the sampling kernels (kernels/csrc/sample_rows.cpp: sampling.draw's token and
 probabilities_for's distributions) against torch's ops (torch_probabilities_for and sample_from), side by side in
 one process: one engine, the two alternated group by group of open-chat conversations (the trace of
-benchmarks/open_chat_trace.py, whose data it fetches), each group's conversations run side by side as a batch.
+benchmarks/open_chat_trace.py, whose data it fetches), each group's conversations in flight together (each
+answered turn sends that conversation's next turn at once, as the served benchmark's clients do).
 Prints tokens/s of each and their ratio per number of streams (and, where the engine speculates, the tokens
 drafted and accepted with each).
 
@@ -20,7 +21,7 @@ import types
 
 import torch
 
-from draft_hint import build, converse_together
+from draft_hint import build, converse_pool
 from open_chat_trace import load_trace
 from quant_forward import cpu_name
 import specstream.sampling as sampling
@@ -54,8 +55,8 @@ def main() -> None:
         raise SystemExit("specstream's CPU kernels are not loaded here: nothing to compare")
     torch_ops = types.SimpleNamespace(loaded=lambda: False)  # sampling.draw then takes torch's ops
     warm = 16
-    for i in range(0, warm, 8):  # the compiled forward's shapes, the cost curve
-        converse_together(engine, chat[i : i + 8], SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    # the compiled forward's shapes, the cost curve
+    converse_pool(engine, chat[:warm], 8, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     print(f"{args.method}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, {args.max_tokens} tokens a turn; "
           f"CPU: {cpu_name()}; 2 threads")
     for streams in args.streams:
@@ -68,7 +69,7 @@ def main() -> None:
             for name in ("kernel", "torch") if g % 2 == 0 else ("torch", "kernel"):
                 sampling.cpu_kernels = kernel if name == "kernel" else torch_ops
                 start = time.perf_counter()
-                tokens, drafted, accepted = converse_together(engine, convs, params)
+                tokens, drafted, accepted = converse_pool(engine, convs, streams, params)
                 totals[name][0] += tokens
                 totals[name][1] += time.perf_counter() - start
                 totals[name][2] += drafted

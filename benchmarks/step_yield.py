@@ -5,7 +5,8 @@ differs between the two engines (speculation consumes a request's random draws a
 the default kernels round a row differently in steps of other sizes, and a near-tie flips), so their answers'
 lengths differ, and with them the prefill share and the tail where few streams are left. This benchmark looks
 at steps instead. It runs `auto` alone on the open-chat trace's conversations (benchmarks/open_chat_trace.py),
---streams side by side, after a greedy warm-up that fills its suffix cache as a server's would, times every
+--streams in flight (each answered turn sends that conversation's next turn at once and a finished
+conversation is replaced by the next, as the served benchmark's clients do), after a greedy warm-up that fills its suffix cache as a server's would, times every
 step whole (scheduling to the last token's bookkeeping), and records its batch (decoding sequences), the rows
 its drafts added, the tokens it emitted, and the tokens `auto` expected its drafts to add (the gain it priced
 them at). Steps of decoding sequences alone are grouped by batch and drafted rows; each drafting group's
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_hint import build, converse_together  # noqa: E402
+from draft_hint import build, converse_pool  # noqa: E402
 from open_chat_trace import load_trace  # noqa: E402
 from quant_forward import cpu_name  # noqa: E402
 
@@ -161,14 +162,12 @@ def main() -> None:
         raise SystemExit(f"the {args.workload} trace has {len(convs)} conversations; lower --warm or --conversations")
     engine = build("auto")
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    for i in range(0, args.warm, args.streams):
-        converse_together(engine, convs[i : min(i + args.streams, args.warm)], greedy)
+    converse_pool(engine, convs[: args.warm], args.streams, greedy)
     steps = record(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1)
     measured = convs[args.warm : args.warm + args.conversations]
-    started, tokens = time.perf_counter(), 0
-    for i in range(0, len(measured), args.streams):
-        tokens += converse_together(engine, measured[i : i + args.streams], params)[0]
+    started = time.perf_counter()
+    tokens = converse_pool(engine, measured, args.streams, params)[0]
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
     host = engine.policy.host
     charged = ", ".join(f"{b}: {host.extra[b] * 1e3:.2f} of {host.plain[b] * 1e3:.2f}" for b in sorted(host.extra))
