@@ -2,9 +2,7 @@
 
 The library is plain C++ with a C interface (no torch or Python headers), built with the C++ compiler on
 first use into cache_dir()/kernels/<key>/ (the key covers the source and the compiler's command) in
-about a second, and loaded in milliseconds after. It is loaded as a PyDLL, so its calls keep the GIL: a lookup
-takes microseconds, and a call that let the GIL go would hand it to any other thread that wants it (a server's
-event loop, busy streaming) and wait for it back, in the middle of the engine's step. Where it cannot be built (no compiler) `available()`
+about a second, and loaded in milliseconds after. Where it cannot be built (no compiler) `available()`
 is False, says why once in the log, and suffix decoding is not offered.
 """
 
@@ -30,7 +28,7 @@ SOURCE = Path(__file__).parent / "csrc" / "suffix_tree.cpp"
 MAX_DRAFT = 256
 
 _lock = threading.Lock()
-_lib: ctypes.PyDLL | None = None
+_lib: ctypes.CDLL | None = None
 _error: str | None = None
 
 _i32p = ctypes.POINTER(ctypes.c_int32)
@@ -52,12 +50,12 @@ def _compile(out: Path) -> None:
         raise RuntimeError(f"the C++ build failed: {done.stderr.strip()[-2000:]}")
 
 
-def _load() -> ctypes.PyDLL | None:
+def _load() -> ctypes.CDLL | None:
     global _lib, _error
     with _lock:
         if _lib is None and _error is None:
             try:
-                lib = ctypes.PyDLL(str(_build()))
+                lib = ctypes.CDLL(str(_build()))
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _error = f"{type(exc).__name__}: {exc}"
                 log.warning("suffix decoding is unavailable (its suffix tree could not be built): %s", _error)
