@@ -171,8 +171,8 @@ class TokenArray:
 class MatchIndex:
     """A growing sequence's windows of min_n..max_n tokens, each kept (by its tokens: a tuple, or the token for
     one) to where it last ended, so that a lookup costs a dictionary get per window length rather than
-    NgramProposer._occurrences' pass over the whole sequence, for every drafting sequence of every step (about
-    90 us a lookup over a conversation of a thousand tokens). New tokens' windows go in at each match: a
+    NgramProposer._occurrences' pass over the whole sequence, for every drafting sequence of every step (a
+    multi-turn conversation's thousands of tokens). New tokens' windows go in at each match: a
     prompt's all at once (zip and dict.update over the list, in C), then a token or a round's few at a time.
     match() finds what NgramProposer.match finds: the latest earlier occurrence of the longest suffix that
     occurred before. `tokens` only grows between calls (a list shorter than the last is read again)."""
