@@ -6,10 +6,10 @@ the default kernels round a row differently in steps of other sizes, and a near-
 lengths differ, and with them the prefill share and the tail where few streams are left. This benchmark looks
 at steps instead. It runs `auto` alone on the open-chat trace's conversations (benchmarks/open_chat_trace.py),
 --streams in flight (each answered turn sends that conversation's next turn at once and a finished
-conversation is replaced by the next, as the served benchmark's clients do), after a greedy warm-up that fills its suffix cache as a server's would, times every
-step whole (scheduling to the last token's bookkeeping), and records its batch (decoding sequences), the rows
-its drafts added, the tokens it emitted, and the tokens `auto` expected its drafts to add (the gain it priced
-them at). Steps of decoding sequences alone are grouped by batch and drafted rows; each drafting group's
+conversation is replaced by the next, as the served benchmark's clients do), after a greedy warm-up that fills
+its suffix cache as a server's would, times every step whole (scheduling to the last token's bookkeeping), and
+records its batch (decoding sequences), the rows its drafts added, the tokens it emitted, and the tokens `auto`
+expected its drafts to add (the gain it priced them at). Steps of decoding sequences alone are grouped by batch and drafted rows; each drafting group's
 tokens per second is set against the plain steps of the same batch in the same run (their median time), and
 its tokens beyond one a sequence against what was expected.
 
