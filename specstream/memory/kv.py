@@ -265,8 +265,15 @@ class KVPool:
     def slots(self, table: list[int], start: int, end: int, group: int = 0) -> torch.Tensor:
         """Slot indices of positions [start, end) of the sequence owning table, in `group`'s
         blocks. Positions a windowed group dropped map to slot 0: no query reads them."""
+        return torch.from_numpy(self.slot_array(table, start, end, group))
+
+    def slot_array(self, table: list[int], start: int, end: int, group: int = 0) -> np.ndarray:
+        """slots() as a NumPy int64 array: a step packs every sequence's slots (runner.pack), and a handful of
+        small torch ops a sequence cost more than the NumPy ones."""
         blocks = self.tables(table)[group] if group else table
-        # in NumPy: a step packs every sequence's slots, and a handful of small torch ops a sequence cost more
-        pos = np.arange(start, end, dtype=np.int64)
-        ids = np.maximum(np.asarray(blocks, dtype=np.int64)[pos // self.block_size], 0)
-        return torch.from_numpy(ids * self.block_size + pos % self.block_size)
+        size = self.block_size
+        first, last = start // size, -(-end // size)  # the blocks holding [start, end)
+        if last > len(blocks):
+            raise IndexError(f"positions up to {end} need {last} blocks; the table holds {len(blocks)}")
+        ids = np.maximum(np.asarray(blocks[first:last], dtype=np.int64), 0)
+        return (ids[:, None] * size + np.arange(size, dtype=np.int64)).ravel()[start - first * size : end - first * size]

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specstream.model import fast_llama
@@ -290,58 +291,75 @@ def pack(
 ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
     """Concatenate the items' new tokens into one packed step over pool: (input_ids [T],
     positions [T], the attention context, rows whose logits are wanted). With q_tile, each
-    sequence's query rows are padded to a multiple of it (attention then runs per tile)."""
+    sequence's query rows are padded to a multiple of it (attention then runs per tile).
+
+    The indexes are built in NumPy and become tensors once each: a step packs every sequence's
+    slots, and a few small torch ops per sequence cost more than the NumPy ones."""
     dev = pool.device
     num_groups = len(pool.groups)
     input_ids: list[int] = []
-    positions, keep, q_rows = [], [], []
-    # [layer group][item]: the pool slots receiving the item's new tokens, and those of all its positions
-    slot_maps: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
-    kv_slots: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
-    offset = 0
-    for item in items:
-        n, end = len(item.tokens), item.start + len(item.tokens)
+    lengths = [len(item.tokens) for item in items]
+    offsets = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+    positions = [_positions(item) for item in items]
+    # [layer group][item]: the pool slots of all its positions (the new tokens' are the last len(tokens))
+    kv_slots: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
+    keep = []
+    for item, n, offset in zip(items, lengths, offsets):
         input_ids.extend(item.tokens)
-        positions.append(item.positions())
         for g in range(num_groups):
-            all_slots = pool.slots(item.table, 0, end, g)
-            slot_maps[g].append(all_slots[item.start :])
-            kv_slots[g].append(all_slots)
-        q_rows.append(torch.arange(offset, offset + n))
+            kv_slots[g].append(pool.slot_array(item.table, 0, item.start + n, g))
         if item.num_logits:
-            keep.append(torch.arange(offset + n - item.num_logits, offset + n))
-        offset += n
-    pos = torch.cat(positions)
+            keep.append(np.arange(offset + n - item.num_logits, offset + n, dtype=np.int64))
     # Decode and verification runs attend apart from prefill chunks (see AttentionGroup).
-    short = [i for i, r in enumerate(q_rows) if len(r) <= SHORT_RUN]
-    long = [i for i, r in enumerate(q_rows) if len(r) > SHORT_RUN]
+    short = [i for i, n in enumerate(lengths) if n <= SHORT_RUN]
+    long = [i for i, n in enumerate(lengths) if n > SHORT_RUN]
     members = [g for g in (short, long) if g]
     if len(members) == 2 and len(long) * len(short) <= 1:
         members = [list(range(len(items)))]  # nothing to gain from splitting
     groups = [
-        _group([[slots[i] for i in m] for slots in kv_slots], [q_rows[i] for i in m], [items[i] for i in m], [positions[i] for i in m], q_tile, dev)
+        _group(
+            [[slots[i] for i in m] for slots in kv_slots],
+            [lengths[i] for i in m],
+            offsets[m],
+            [items[i] for i in m],
+            [positions[i] for i in m],
+            q_tile,
+            dev,
+        )
         for m in members
     ]
-    slot_mappings = [torch.cat(maps).to(dev) for maps in slot_maps]
+    slot_mappings = [_tensor(np.concatenate([s[item.start :] for s, item in zip(slots, items)]), dev) for slots in kv_slots]
     ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
-    keep_idx = torch.cat(keep).to(dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
-    return torch.tensor(input_ids, device=dev), pos.to(dev), ctx, keep_idx
+    keep_idx = _tensor(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64), dev)
+    return torch.tensor(input_ids, device=dev), _tensor(np.concatenate(positions), dev), ctx, keep_idx
+
+
+def _positions(item: ForwardItem) -> np.ndarray:
+    """ForwardItem.positions in NumPy."""
+    if item.parents is None:
+        return np.arange(item.start, item.start + len(item.tokens), dtype=np.int64)
+    return item.start + np.asarray(tree_depths(item.parents), dtype=np.int64)
+
+
+def _tensor(array: np.ndarray, dev) -> torch.Tensor:
+    return torch.from_numpy(array).to(dev)
 
 
 def _group(
-    kv_slots: list[list[torch.Tensor]],
-    q_rows: list[torch.Tensor],
+    kv_slots: list[list[np.ndarray]],
+    lengths: list[int],
+    offsets: np.ndarray,
     items: list[ForwardItem],
-    positions: list[torch.Tensor],
+    positions: list[np.ndarray],
     q_tile: int,
     dev,
 ) -> AttentionGroup:
     """The padded attention layout of some of a step's sequences (kv_slots: per KV layer group, each
-    sequence's slots). A group holding a draft tree gets its full-context mask here: causal by position,
-    and within each tree's own rows, its ancestry."""
-    starts = [item.start for item in items]
-    batch = len(q_rows)
-    t_max, s_max = max(len(r) for r in q_rows), max(len(s) for s in kv_slots[0])
+    sequence's slots; lengths and offsets: each one's new tokens and where they start in the packed step).
+    A group holding a draft tree gets its full-context mask here: causal by position, and within each
+    tree's own rows, its ancestry."""
+    batch = len(lengths)
+    t_max, s_max = max(lengths), max(len(s) for s in kv_slots[0])
     if q_tile:
         # Whole tiles of queries, and keys padded (masked) to a multiple of _KEY_BLOCK, so no real key
         # falls in a kernel's remainder loop, whose summation order differs from its main loop's.
@@ -349,21 +367,23 @@ def _group(
         s_max += -s_max % _KEY_BLOCK
     kv_indexes = []
     for slots_of in kv_slots:
-        kv_index = torch.zeros((batch, s_max), dtype=torch.long)
+        kv_index = np.zeros((batch, s_max), dtype=np.int64)
         for i, slots in enumerate(slots_of):
             kv_index[i, : len(slots)] = slots
-        kv_indexes.append(kv_index.to(dev))
-    q_index = torch.zeros((batch, t_max), dtype=torch.long)
-    for i, rows in enumerate(q_rows):
-        q_index[i, : len(rows)] = rows
-    out_index = torch.cat([i * t_max + torch.arange(len(r)) for i, r in enumerate(q_rows)])
-    q_pos = torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]
+        kv_indexes.append(_tensor(kv_index, dev))
+    span = np.arange(t_max, dtype=np.int64)
+    q_index = np.zeros((batch, t_max), dtype=np.int64)
+    for i, (n, offset) in enumerate(zip(lengths, offsets)):
+        q_index[i, :n] = offset + span[:n]
+    out_index = np.concatenate([i * t_max + span[:n] for i, n in enumerate(lengths)])
+    rows = np.concatenate([offset + span[:n] for n, offset in zip(lengths, offsets)])
+    q_pos = np.array([item.start for item in items], dtype=np.int64)[:, None] + span[None, :]
     tree_mask = None
     if any(item.parents is not None for item in items):
         for i, item in enumerate(items):
             if item.parents is not None:
                 q_pos[i, : len(item.tokens)] = positions[i]  # pack's: each tree token at its depth
-        tree_mask = torch.arange(s_max)[None, None, :] <= q_pos[:, :, None]  # [B, T_max, S_max]
+        tree_mask = torch.from_numpy(np.arange(s_max)[None, None, :] <= q_pos[:, :, None])  # [B, T_max, S_max]
         for i, item in enumerate(items):
             if item.parents is not None:
                 n = len(item.tokens)
@@ -371,9 +391,9 @@ def _group(
         tree_mask = tree_mask[:, None].to(dev)
     return AttentionGroup(
         kv_indexes=kv_indexes,
-        q_index=q_index.to(dev),
-        out_index=out_index.to(dev),
-        rows=torch.cat(q_rows).to(dev),
-        q_pos=q_pos.to(dev),
+        q_index=_tensor(q_index, dev),
+        out_index=_tensor(out_index, dev),
+        rows=_tensor(rows, dev),
+        q_pos=_tensor(q_pos, dev),
         tree_mask=tree_mask,
     )
