@@ -89,10 +89,10 @@ class ForwardItem:
             return torch.arange(self.start, self.start + len(self.tokens))
         return self.start + torch.tensor(tree_depths(self.parents), dtype=torch.long)
 
-    def ancestry(self) -> torch.Tensor:
+    def ancestry(self) -> np.ndarray:
         """[trees] [n, n] bool: row i sees token j (j is i or one of its ancestors)."""
         n = len(self.tokens)
-        seen = torch.zeros((n, n), dtype=torch.bool)
+        seen = np.zeros((n, n), dtype=bool)
         for i, p in enumerate(self.parents):
             if p >= 0:
                 seen[i] = seen[p]
@@ -383,12 +383,12 @@ def _group(
         for i, item in enumerate(items):
             if item.parents is not None:
                 q_pos[i, : len(item.tokens)] = positions[i]  # pack's: each tree token at its depth
-        tree_mask = torch.from_numpy(np.arange(s_max)[None, None, :] <= q_pos[:, :, None])  # [B, T_max, S_max]
+        mask = np.arange(s_max)[None, None, :] <= q_pos[:, :, None]  # [B, T_max, S_max]
         for i, item in enumerate(items):
             if item.parents is not None:
                 n = len(item.tokens)
-                tree_mask[i, :n, item.start : item.start + n] = item.ancestry()
-        tree_mask = tree_mask[:, None].to(dev)
+                mask[i, :n, item.start : item.start + n] = item.ancestry()
+        tree_mask = _tensor(mask[:, None], dev)
     return AttentionGroup(
         kv_indexes=kv_indexes,
         q_index=_tensor(q_index, dev),
