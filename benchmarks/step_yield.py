@@ -169,12 +169,9 @@ def main() -> None:
     started = time.perf_counter()
     tokens = converse_pool(engine, measured, args.streams, params)[0]
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
-    charge = engine.policy.surcharge
-    charged = ", ".join(
-        f"{b}: {charge(b) * 1e3:.2f} (host {charge.host(b) * 1e3:.2f}, beyond its rows' price {charge.whole(b) * 1e3:.2f})"
-        for b in sorted(set(charge.host.extra) | set(charge.whole.extra))
-    )
-    print(f"ms charged to a drafting step at the end, by batch: {charged or 'none'}")
+    extra = engine.policy.surcharge
+    charged = ", ".join(f"{b}: {extra.extra[b] * 1e3:.2f} over {extra.plain[b] * 1e3:.2f}" for b in sorted(extra.extra))
+    print(f"ms a drafting step adds beyond its rows' price, as charged at the end, over a plain step's, by batch: {charged or 'none'}")
     print(f"CPU: {cpu_name()}")
 
 

@@ -437,39 +437,39 @@ def test_what_drafting_adds_to_a_step_beyond_its_rows_price_is_measured_per_batc
     one = seqs(1, accepted=30.0, rejected=10.0)
     before = policy.choose(one, 1, 32)
     for _ in range(200):
-        policy.surcharge.observe(8, 0, 0.0004, 0.0004, 0.020)
-        policy.surcharge.observe(8, 1 + _ % 4, 0.0014, 0.0014, 0.022)
-    assert policy.surcharge.host.plain[8] == pytest.approx(0.0004) and policy.surcharge(8) == pytest.approx(0.001, rel=0.02)
+        policy.surcharge.observe(8, 0, 0.0004, 0.020)
+        policy.surcharge.observe(8, 1 + _ % 4, 0.0014, 0.022)
+    assert policy.surcharge.plain[8] == pytest.approx(0.0004) and policy.surcharge(8) == pytest.approx(0.001, rel=0.02)
     assert policy.surcharge(1) == 0.0 and policy.choose(one, 1, 32) == before
     assert sum(policy.choose(batch, 8, 32)) == 0  # one draft each before
     assert all(k > 0 for k in policy.choose(seqs(8, accepted=90.0, rejected=10.0), 8, 32))
-    policy.surcharge.observe(8, 1, float("nan"), float("nan"), 0.022)  # tells nothing
-    policy.surcharge.observe(8, 1, 0.001, 0.001, 0.0)  # nor does a step without a price
-    policy.surcharge.observe(8, 1, 10.0, 10.0, 0.022)  # a descheduled step counts for its price at most
+    policy.surcharge.observe(8, 1, float("nan"), 0.022)  # tells nothing
+    policy.surcharge.observe(8, 1, 0.001, 0.0)  # nor does a step without a price
+    policy.surcharge.observe(8, 1, 10.0, 0.022)  # a descheduled step counts for its price at most
     assert policy.surcharge(8) == pytest.approx(0.001 + 0.05 * (0.022 - 0.001), rel=0.02)
     for _ in range(700):  # plain steps forget the charge, half of it in about 700
-        policy.surcharge.observe(8, 0, 0.0004, 0.0004, 0.020)
+        policy.surcharge.observe(8, 0, 0.0004, 0.020)
     assert policy.surcharge(8) == pytest.approx(0.5 * (0.001 + 0.05 * (0.022 - 0.001)), rel=0.02)
-    policy.surcharge.observe(2, 0, 0.05, 0.05, 0.011)  # a slow first step of its size is averaged away, not kept
-    policy.surcharge.observe(2, 1, 0.06, 0.06, 0.012)  # nor is a drafting step measured against fewer than a few plain ones
+    policy.surcharge.observe(2, 0, 0.05, 0.011)  # a slow first step of its size is averaged away, not kept
+    policy.surcharge.observe(2, 1, 0.06, 0.012)  # nor is a drafting step measured against fewer than a few plain ones
     for _ in range(150):
-        policy.surcharge.observe(2, 0, 0.0004, 0.0004, 0.011)
-    assert policy.surcharge.whole.plain[2] == pytest.approx(0.0004, rel=0.05) and policy.surcharge(2) == 0.0
+        policy.surcharge.observe(2, 0, 0.0004, 0.011)
+    assert policy.surcharge.plain[2] == pytest.approx(0.0004, rel=0.05) and policy.surcharge(2) == 0.0
 
 
 def test_a_curve_that_prices_plain_steps_high_still_shows_what_drafting_adds():
     """The curve prices rows, not a step's shape: where plain steps of 8 come in 1 ms under its price and a step
-    where one sequence drafts 4 ms over (every sequence verified, padded), 5 ms is charged, though the host work
-    adds 0.2 ms. Where the curve prices the drafting steps' rows above what they take, the host work's 0.2 ms stands."""
+    where one sequence drafts 4 ms over (every sequence verified, padded), the surcharge is the 5 ms between them.
+    Drafting steps that come in under the plain steps' mark add nothing."""
     policy = KPolicy(4, True, CostModel([8, 16], [0.020, 0.030]), lambda n: 0.0)
     for _ in range(300):
-        policy.surcharge.observe(8, 0, 0.0004, -0.001, 0.020)
-        policy.surcharge.observe(8, 1, 0.0006, 0.004, 0.021)
+        policy.surcharge.observe(8, 0, -0.001, 0.020)
+        policy.surcharge.observe(8, 1, 0.004, 0.021)
     assert policy.surcharge(8) == pytest.approx(0.005, rel=0.02)
     assert sum(policy.choose(seqs(8, accepted=30.0, rejected=10.0), 8, 32)) == 0
     for _ in range(300):
-        policy.surcharge.observe(8, 1, 0.0006, -0.003, 0.021)
-    assert policy.surcharge.whole(8) < 1e-6 and policy.surcharge(8) == pytest.approx(0.0002, rel=0.02)
+        policy.surcharge.observe(8, 1, -0.003, 0.021)
+    assert policy.surcharge(8) < 1e-6
 
 
 def test_the_engine_reports_each_steps_time_beyond_its_price(tiny_model_dir):
@@ -482,10 +482,8 @@ def test_the_engine_reports_each_steps_time_beyond_its_price(tiny_model_dir):
     seen = []
     e.policy.surcharge.observe = lambda *a: seen.append(a)
     e.generate([list(range(5, 25)) * 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    assert seen and all(
-        n == 1 and drafting in (0, 1) and 0 <= host < 1.0 and -1.0 < beyond < 1.0 and priced > 0 for n, drafting, host, beyond, priced in seen
-    )
-    assert any(drafting for _, drafting, *_ in seen) and len(seen) <= 29  # every step but the prefill's
+    assert seen and all(n == 1 and drafting in (0, 1) and -1.0 < beyond < 1.0 and priced > 0 for n, drafting, beyond, priced in seen)
+    assert any(drafting for _, drafting, _, _ in seen) and len(seen) <= 29  # every step but the prefill's
 
 
 def test_a_step_being_priced_reads_the_curve_once_per_size():

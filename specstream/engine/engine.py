@@ -185,9 +185,10 @@ class Engine:
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
         if not plan.prefills and decodes and not self.compiling and self.policy.target_cost is not None:
-            # the step's host work, and its time beyond its rows' price (the forward's shape too): drafting adds to both
-            host, priced = time.perf_counter() - began - proposing - forward, self.policy.target_cost(rows)
-            self.policy.surcharge.observe(len(decodes), sum(bool(d.tokens) for d in drafts), host, host + forward - priced, priced)
+            # the step beyond its rows' price (host work, and the forward's shape), which drafting adds to
+            priced = self.policy.target_cost(rows)
+            beyond = time.perf_counter() - began - proposing - priced
+            self.policy.surcharge.observe(len(decodes), sum(bool(d.tokens) for d in drafts), beyond, priced)
         self._update_gauges()
         return outputs
 

@@ -286,14 +286,19 @@ SURCHARGE_FORGET = 0.001
 SURCHARGE_FIRST = 8  # plain steps of a batch size averaged whole before any is capped or a drafting step is measured
 
 
-class DraftingExcess:
-    """What a step of decoding sequences takes once any of them drafts, over a plain step of as many sequences, in
-    one measure of a step's time besides what is priced apart (DraftingSurcharge), per batch size from the steps
-    the engine runs. Each plain step forgets a little of it, so that a charge measured on a busy machine does not
-    stop drafting at that batch size for good."""
+class DraftingSurcharge:
+    """What a step of decoding sequences costs once any of them drafts, over a plain step of as many sequences,
+    beyond what the forward-time curve prices its rows at: measured per batch size from the steps the engine runs.
+    Two things make it. The host work besides the forward, the verification and the proposer's call (scheduling,
+    packing, each round's bookkeeping). And the forward's shape, which the curve (by rows) does not see: a step
+    where one of 8 sequences drafts runs every sequence as a verification, each padded to the longest run and
+    masked, so its first draft row can cost several times what the next ones add. Neither grows much with the
+    sequences drafting, so it is the step's, not each draft's: the k policy charges it to a step's first drafting
+    sequence. Each plain step forgets a little of it, so that a charge measured on a busy machine does not stop
+    drafting at that batch size for good."""
 
     def __init__(self) -> None:
-        self.plain: dict[int, float] = {}  # batch size -> a plain step's seconds
+        self.plain: dict[int, float] = {}  # batch size -> a plain step's seconds beyond the curve's price
         self.extra: dict[int, float] = {}  # batch size -> what drafting adds to them
         self.seen: dict[int, int] = {}  # batch size -> plain steps measured
 
@@ -301,11 +306,11 @@ class DraftingExcess:
         return self.extra.get(num_seqs, 0.0)
 
     def observe(self, num_seqs: int, num_drafting: int, seconds: float, priced: float) -> None:
-        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, took `seconds` (negative
-        where what is priced apart overstates it); `priced`: the curve's price of its rows. A plain step's figure is
-        its size's running mean at first (one slow first step does not set it), then fades; past that, neither a
-        plain step nor a drafting step's excess over it counts for more than `priced` (one descheduled step says
-        little)."""
+        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, took `seconds` beyond
+        `priced`, the curve's price of its forward's rows (its host work, and what the curve misses of its
+        forward; negative where the curve prices it high). A plain step's figure is its size's running mean at
+        first (one slow first step does not set it), then fades; past that, neither a plain step nor a drafting
+        step's excess over it counts for more than `priced` (one descheduled step says little)."""
         if num_seqs <= 0 or not math.isfinite(seconds) or not 0.0 < priced < math.inf:
             return
         plain = self.plain.get(num_seqs, 0.0)
@@ -319,32 +324,6 @@ class DraftingExcess:
         elif self.seen.get(num_seqs, 0) >= SURCHARGE_FIRST:  # measured against a plain step of its size, once there is one
             extra = self.extra.get(num_seqs, 0.0)
             self.extra[num_seqs] = extra + SURCHARGE_RATE * (min(max(seconds - plain, 0.0), priced) - extra)
-
-
-class DraftingSurcharge:
-    """What a step costs once any of its decoding sequences drafts, besides its rows' price on the forward-time curve
-    and the proposer's own costs: the k policy charges it to a step's first drafting sequence, since it barely grows
-    with the sequences drafting. Two measures (DraftingExcess), the larger charged:
-    - `host`: the host work besides the forward, the verification and the proposer's call (scheduling, packing,
-      each round's bookkeeping);
-    - `whole`: the step's time beyond the curve's price of its rows, which adds what the curve misses of the
-      forward's shape: a step where one of 8 sequences drafts runs every sequence as a verification, padded to the
-      longest run and masked, so its first draft row can cost several times what the next ones add. The curve
-      learns from those same steps, so where it prices their rows above what they take this reads less than the
-      host work alone; the host measure then stands."""
-
-    def __init__(self) -> None:
-        self.host = DraftingExcess()
-        self.whole = DraftingExcess()
-
-    def __call__(self, num_seqs: int) -> float:
-        return max(self.host(num_seqs), self.whole(num_seqs))
-
-    def observe(self, num_seqs: int, num_drafting: int, host: float, beyond: float, priced: float) -> None:
-        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts: `host` seconds of host
-        work, `beyond` seconds beyond the curve's price of its rows, `priced`."""
-        self.host.observe(num_seqs, num_drafting, host, priced)
-        self.whole.observe(num_seqs, num_drafting, beyond, priced)
 
 
 class KPolicy:
