@@ -169,9 +169,9 @@ def main() -> None:
     started = time.perf_counter()
     tokens = converse_pool(engine, measured, args.streams, params)[0]
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
-    host = engine.policy.host
-    charged = ", ".join(f"{b}: {host.extra[b] * 1e3:.2f} of {host.plain[b] * 1e3:.2f}" for b in sorted(host.extra))
-    print(f"host ms a drafting step adds, as charged at the end, of a plain step's, by batch: {charged or 'none'}")
+    extra = engine.policy.surcharge
+    charged = ", ".join(f"{b}: {extra.extra[b] * 1e3:.2f} over {extra.plain[b] * 1e3:.2f}" for b in sorted(extra.extra))
+    print(f"ms a drafting step adds beyond its rows' price, as charged at the end, over a plain step's, by batch: {charged or 'none'}")
     print(f"CPU: {cpu_name()}")
 
 

@@ -425,11 +425,11 @@ def test_the_k_policy_grants_no_run_longer_than_the_longest_compiled_one():
     assert KPolicy(16, False, cost, lambda n: 0.0, longest_run=16).choose([seq], 1, 64) == [16]
 
 
-def test_what_drafting_adds_to_a_steps_host_work_is_measured_per_batch_and_charged_once_a_step():
-    """Plain steps of 8 sequences spend 0.4 ms on the host besides forward and proposer, steps where any of them
-    drafts 1.4 ms: a step's drafting is then charged 1 ms, once. A first draft that paid for its row alone no
-    longer does; drafts kept 9 times in 10 on every sequence still pay for it together. One sequence's steps are
-    measured apart."""
+def test_what_drafting_adds_to_a_step_beyond_its_rows_price_is_measured_per_batch_and_charged_once_a_step():
+    """Plain steps of 8 sequences take 0.4 ms beyond what the curve prices their rows at, steps where any of them
+    drafts 1.4 ms (host work, and a forward that verifies every sequence once one drafts): a step's drafting is
+    then charged 1 ms, once. A first draft that paid for its row alone no longer does; drafts kept 9 times in 10
+    on every sequence still pay for it together. One sequence's steps are measured apart."""
     cost = CostModel([8, 16], [0.020, 0.030])  # a row: 1.25 ms on a step of 8 tokens in 20 ms
     policy = KPolicy(4, True, cost, lambda n: 0.0)
     batch = seqs(8, accepted=30.0, rejected=10.0)  # drafts kept about 3 times in 4
@@ -437,35 +437,53 @@ def test_what_drafting_adds_to_a_steps_host_work_is_measured_per_batch_and_charg
     one = seqs(1, accepted=30.0, rejected=10.0)
     before = policy.choose(one, 1, 32)
     for _ in range(200):
-        policy.host.observe(8, 0, 0.0004)
-        policy.host.observe(8, 1 + _ % 4, 0.0014)
-    assert policy.host.plain[8] == pytest.approx(0.0004) and policy.host(8) == pytest.approx(0.001, rel=0.02)
-    assert policy.host(1) == 0.0 and policy.choose(one, 1, 32) == before
+        policy.surcharge.observe(8, 0, 0.0004, 0.020)
+        policy.surcharge.observe(8, 1 + _ % 4, 0.0014, 0.022)
+    assert policy.surcharge.plain[8] == pytest.approx(0.0004) and policy.surcharge(8) == pytest.approx(0.001, rel=0.02)
+    assert policy.surcharge(1) == 0.0 and policy.choose(one, 1, 32) == before
     assert sum(policy.choose(batch, 8, 32)) == 0  # one draft each before
     assert all(k > 0 for k in policy.choose(seqs(8, accepted=90.0, rejected=10.0), 8, 32))
-    policy.host.observe(8, 1, -1.0)  # a clock that went backwards tells nothing
-    policy.host.observe(8, 1, 10.0)  # a descheduled step counts for 3x a plain step's host time at most
-    assert policy.host(8) == pytest.approx(0.001 + 0.05 * (0.0012 - 0.001), rel=0.02)
+    policy.surcharge.observe(8, 1, float("nan"), 0.022)  # tells nothing
+    policy.surcharge.observe(8, 1, 0.001, 0.0)  # nor does a step without a price
+    policy.surcharge.observe(8, 1, 10.0, 0.022)  # a descheduled step counts for its price at most
+    assert policy.surcharge(8) == pytest.approx(0.001 + 0.05 * (0.022 - 0.001), rel=0.02)
     for _ in range(700):  # plain steps forget the charge, half of it in about 700
-        policy.host.observe(8, 0, 0.0004)
-    assert policy.host(8) == pytest.approx(0.0005, rel=0.02)
-    policy.host.observe(2, 0, 0.05)  # a slow first step of its size is averaged away, not kept
-    policy.host.observe(2, 1, 0.06)  # nor is a drafting step measured against fewer than a few plain ones
+        policy.surcharge.observe(8, 0, 0.0004, 0.020)
+    assert policy.surcharge(8) == pytest.approx(0.5 * (0.001 + 0.05 * (0.022 - 0.001)), rel=0.02)
+    policy.surcharge.observe(2, 0, 0.05, 0.011)  # a slow first step of its size is averaged away, not kept
+    policy.surcharge.observe(2, 1, 0.06, 0.012)  # nor is a drafting step measured against fewer than a few plain ones
     for _ in range(150):
-        policy.host.observe(2, 0, 0.0004)
-    assert policy.host.plain[2] == pytest.approx(0.0004, rel=0.05) and policy.host(2) == 0.0
+        policy.surcharge.observe(2, 0, 0.0004, 0.011)
+    assert policy.surcharge.plain[2] == pytest.approx(0.0004, rel=0.05) and policy.surcharge(2) == 0.0
 
 
-def test_the_engine_reports_each_steps_host_work(tiny_model_dir):
+def test_a_curve_that_prices_plain_steps_high_still_shows_what_drafting_adds():
+    """The curve prices rows, not a step's shape: where plain steps of 8 come in 1 ms under its price and a step
+    where one sequence drafts 4 ms over (every sequence verified, padded), the surcharge is the 5 ms between them.
+    Drafting steps that come in under the plain steps' mark add nothing."""
+    policy = KPolicy(4, True, CostModel([8, 16], [0.020, 0.030]), lambda n: 0.0)
+    for _ in range(300):
+        policy.surcharge.observe(8, 0, -0.001, 0.020)
+        policy.surcharge.observe(8, 1, 0.004, 0.021)
+    assert policy.surcharge(8) == pytest.approx(0.005, rel=0.02)
+    assert sum(policy.choose(seqs(8, accepted=30.0, rejected=10.0), 8, 32)) == 0
+    for _ in range(300):
+        policy.surcharge.observe(8, 1, -0.003, 0.021)
+    assert policy.surcharge(8) < 1e-6
+
+
+def test_the_engine_reports_each_steps_time_beyond_its_price(tiny_model_dir):
     from specstream import Engine, EngineConfig, SpeculativeConfig
 
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     e = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", speculative=spec), log=False)
+    while not e.priced:  # the forward-time curve its rows are priced from
+        e.idle()
     seen = []
-    e.policy.host.observe = lambda *a: seen.append(a)
+    e.policy.surcharge.observe = lambda *a: seen.append(a)
     e.generate([list(range(5, 25)) * 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    assert seen and all(n == 1 and drafting in (0, 1) and 0 <= seconds < 1.0 for n, drafting, seconds in seen)
-    assert any(drafting for _, drafting, _ in seen) and len(seen) <= 29  # every step but the prefill's
+    assert seen and all(n == 1 and drafting in (0, 1) and -1.0 < beyond < 1.0 and priced > 0 for n, drafting, beyond, priced in seen)
+    assert any(drafting for _, drafting, _, _ in seen) and len(seen) <= 29  # every step but the prefill's
 
 
 def test_a_step_being_priced_reads_the_curve_once_per_size():

@@ -179,14 +179,16 @@ class Engine:
         rounds = self._rounds(decodes + completing, drafts + [Draft([]) for _ in completing], logits)
         results = self._verify(rounds)  # reads the logits back: the forward has finished, on any device
         forward = time.perf_counter() - started
-        self._observe_cost(sum(len(item.tokens) for item in items), forward)
+        self._observe_cost(rows := sum(len(item.tokens) for item in items), forward)
         if aux is not None:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
-        if not plan.prefills and decodes and not self.compiling:  # the rounds' own host work, which drafting adds to
-            host = time.perf_counter() - began - proposing - forward
-            self.policy.host.observe(len(decodes), sum(bool(d.tokens) for d in drafts), host)
+        if not plan.prefills and decodes and not self.compiling and self.policy.target_cost is not None:
+            # the step beyond its rows' price (host work, and the forward's shape), which drafting adds to
+            priced = self.policy.target_cost(rows)
+            beyond = time.perf_counter() - began - proposing - priced
+            self.policy.surcharge.observe(len(decodes), sum(bool(d.tokens) for d in drafts), beyond, priced)
         self._update_gauges()
         return outputs
 

@@ -26,6 +26,7 @@ step time by batch size. The clients of this one judgement:
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -279,46 +280,50 @@ class StepPrice:
         self.rows += rows
 
 
-# How far one step moves DraftingHost's measures, and how much of its charge each plain step forgets.
-HOST_RATE = 0.05
-HOST_FORGET = 0.001
-HOST_FIRST = 8  # plain steps of a batch size averaged whole before any is capped or a drafting step is measured
+# How far one step moves DraftingSurcharge's measures, and how much of its charge each plain step forgets.
+SURCHARGE_RATE = 0.05
+SURCHARGE_FORGET = 0.001
+SURCHARGE_FIRST = 8  # plain steps of a batch size averaged whole before any is capped or a drafting step is measured
 
 
-class DraftingHost:
-    """What a step of decoding sequences costs on the host besides its forward, its verification and its
-    proposer's call (scheduling, packing, each round's bookkeeping) once any of them drafts, over a plain step
-    of as many sequences: measured per batch size from the steps the engine runs. It barely grows with the
-    sequences drafting (their rounds are handled together), so it is the step's, not each draft's: the k
-    policy charges it to a step's first drafting sequence. Each plain step forgets a little of it, so that a
-    charge measured on a busy machine does not stop drafting at that batch size for good."""
+class DraftingSurcharge:
+    """What a step of decoding sequences costs once any of them drafts, over a plain step of as many sequences,
+    beyond what the forward-time curve prices its rows at: measured per batch size from the steps the engine runs.
+    Two things make it. The host work besides the forward, the verification and the proposer's call (scheduling,
+    packing, each round's bookkeeping). And the forward's shape, which the curve (by rows) does not see: a step
+    where one of 8 sequences drafts runs every sequence as a verification, each padded to the longest run and
+    masked, so its first draft row can cost several times what the next ones add. Neither grows much with the
+    sequences drafting, so it is the step's, not each draft's: the k policy charges it to a step's first drafting
+    sequence. Each plain step forgets a little of it, so that a charge measured on a busy machine does not stop
+    drafting at that batch size for good."""
 
     def __init__(self) -> None:
-        self.plain: dict[int, float] = {}  # batch size -> a plain step's host seconds
+        self.plain: dict[int, float] = {}  # batch size -> a plain step's seconds beyond the curve's price
         self.extra: dict[int, float] = {}  # batch size -> what drafting adds to them
         self.seen: dict[int, int] = {}  # batch size -> plain steps measured
 
     def __call__(self, num_seqs: int) -> float:
         return self.extra.get(num_seqs, 0.0)
 
-    def observe(self, num_seqs: int, num_drafting: int, seconds: float) -> None:
-        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, spent `seconds` on
-        the host. A plain step's time is its size's running mean at first (one slow first step does not set
-        it), then fades; past that, neither a plain step nor a drafting step's excess over it counts for more
-        than 3x it (one descheduled step says little)."""
-        if num_seqs <= 0 or not 0.0 <= seconds < float("inf"):
+    def observe(self, num_seqs: int, num_drafting: int, seconds: float, priced: float) -> None:
+        """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, took `seconds` beyond
+        `priced`, the curve's price of its forward's rows (its host work, and what the curve misses of its
+        forward; negative where the curve prices it high). A plain step's figure is its size's running mean at
+        first (one slow first step does not set it), then fades; past that, neither a plain step nor a drafting
+        step's excess over it counts for more than `priced` (one descheduled step says little)."""
+        if num_seqs <= 0 or not math.isfinite(seconds) or not 0.0 < priced < math.inf:
             return
         plain = self.plain.get(num_seqs, 0.0)
         if not num_drafting:
             seen = self.seen[num_seqs] = self.seen.get(num_seqs, 0) + 1
-            if seen > HOST_FIRST:
-                seconds = min(seconds, 3.0 * plain)
-            self.plain[num_seqs] = plain + max(HOST_RATE, 1.0 / seen) * (seconds - plain)
+            if seen > SURCHARGE_FIRST:
+                seconds = min(seconds, plain + priced)
+            self.plain[num_seqs] = plain + max(SURCHARGE_RATE, 1.0 / seen) * (seconds - plain)
             if num_seqs in self.extra:
-                self.extra[num_seqs] *= 1.0 - HOST_FORGET
-        elif self.seen.get(num_seqs, 0) >= HOST_FIRST:  # measured against a plain step of its size, once there is one
+                self.extra[num_seqs] *= 1.0 - SURCHARGE_FORGET
+        elif self.seen.get(num_seqs, 0) >= SURCHARGE_FIRST:  # measured against a plain step of its size, once there is one
             extra = self.extra.get(num_seqs, 0.0)
-            self.extra[num_seqs] = extra + HOST_RATE * (min(max(seconds - plain, 0.0), 3.0 * plain) - extra)
+            self.extra[num_seqs] = extra + SURCHARGE_RATE * (min(max(seconds - plain, 0.0), priced) - extra)
 
 
 class KPolicy:
@@ -350,7 +355,7 @@ class KPolicy:
         self.lookup_cost = lookup_cost
         self.draft_hint = draft_hint
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
-        self.host = DraftingHost()  # what a step's drafting adds on the host: the engine reports every step
+        self.surcharge = DraftingSurcharge()  # what a step's drafting adds beyond its rows' price: the engine reports every step
 
     def estimate(self, seq: Drafting) -> float:
         """seq's acceptance: its own record, pulled toward what drafts like its were accepted lately."""
@@ -383,7 +388,7 @@ class KPolicy:
             if hint is not None and hint[0] > alphas[i]:
                 alphas[i], caps[i] = hint[0], min(caps[i], hint[1])
         lookup = self.lookup_cost()
-        host = self.host(len(seqs))  # once, with the first sequence let draft
+        surcharge = self.surcharge(len(seqs))  # once, with the first sequence let draft
         ks = [0] * len(seqs)
         # Drafts cost what they add to the whole step, prefill chunks included, and must beat the decoding
         # rows' own rate (StepBase): the chunks' time is taken out of the step's seconds.
@@ -398,7 +403,7 @@ class KPolicy:
             new_drafting = drafting + (ks[i] == 0)
             new_max_k = max(max_k, ks[i] + 1)
             passes = new_max_k * self.draft_pass_cost(new_drafting)
-            new_cost = self.target_cost(tokens + 1) - chunks + passes + new_drafting * lookup + host
+            new_cost = self.target_cost(tokens + 1) - chunks + passes + new_drafting * lookup + surcharge
             if not step.pays(-neg_gain, new_cost - step.seconds):
                 break
             step.add(-neg_gain, new_cost - step.seconds)
