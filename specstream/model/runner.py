@@ -84,10 +84,11 @@ class ForwardItem:
     # goes to the slot of position start + its index (the engine moves an accepted path's KV into place)
     parents: list[int] | None = None
 
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> np.ndarray:
+        """Each new token's position: start + its index, or [trees] start + its depth."""
         if self.parents is None:
-            return torch.arange(self.start, self.start + len(self.tokens))
-        return self.start + torch.tensor(tree_depths(self.parents), dtype=torch.long)
+            return np.arange(self.start, self.start + len(self.tokens), dtype=np.int64)
+        return self.start + np.asarray(tree_depths(self.parents), dtype=np.int64)
 
     def ancestry(self) -> np.ndarray:
         """[trees] [n, n] bool: row i sees token j (j is i or one of its ancestors)."""
@@ -300,7 +301,7 @@ def pack(
     input_ids: list[int] = []
     lengths = [len(item.tokens) for item in items]
     offsets = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
-    positions = [_positions(item) for item in items]
+    positions = [item.positions() for item in items]
     # [layer group][item]: the pool slots of all its positions (the new tokens' are the last len(tokens))
     kv_slots: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
     keep = []
@@ -330,15 +331,8 @@ def pack(
     ]
     slot_mappings = [_tensor(np.concatenate([s[item.start :] for s, item in zip(slots, items)]), dev) for slots in kv_slots]
     ctx = StepContext(pool=pool, slot_mappings=slot_mappings, groups=groups, q_tile=q_tile)
-    keep_idx = _tensor(np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64), dev)
+    keep_idx = _tensor(np.concatenate(keep), dev) if keep else torch.zeros(0, dtype=torch.long, device=dev)
     return torch.tensor(input_ids, device=dev), _tensor(np.concatenate(positions), dev), ctx, keep_idx
-
-
-def _positions(item: ForwardItem) -> np.ndarray:
-    """ForwardItem.positions in NumPy."""
-    if item.parents is None:
-        return np.arange(item.start, item.start + len(item.tokens), dtype=np.int64)
-    return item.start + np.asarray(tree_depths(item.parents), dtype=np.int64)
 
 
 def _tensor(array: np.ndarray, dev) -> torch.Tensor:
@@ -388,7 +382,7 @@ def _group(
             if item.parents is not None:
                 n = len(item.tokens)
                 mask[i, :n, item.start : item.start + n] = item.ancestry()
-        tree_mask = _tensor(mask[:, None], dev)
+        tree_mask = _tensor(mask, dev)[:, None]  # a torch view: its strides are what the kept functions were traced with
     return AttentionGroup(
         kv_indexes=kv_indexes,
         q_index=_tensor(q_index, dev),
