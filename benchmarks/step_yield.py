@@ -169,8 +169,8 @@ def main() -> None:
     started = time.perf_counter()
     tokens = converse_pool(engine, measured, args.streams, params)[0]
     report(steps, tokens / (time.perf_counter() - started), args, len(measured))
-    extra = engine.policy.surcharge
-    charged = ", ".join(f"{b}: {extra.extra[b] * 1e3:.2f} over {extra.plain[b] * 1e3:.2f}" for b in sorted(extra.extra))
+    charge = engine.policy.surcharge
+    charged = ", ".join(f"{b}: {charge.extra[b] * 1e3:.2f} over {charge.plain[b] * 1e3:.2f}" for b in sorted(charge.extra))
     print(f"ms a drafting step adds beyond its rows' price, as charged at the end, over a plain step's, by batch: {charged or 'none'}")
     print(f"CPU: {cpu_name()}")
 

@@ -366,11 +366,12 @@ def _group(
             kv_index[i, : len(slots)] = slots
         kv_indexes.append(_tensor(kv_index, dev))
     span = np.arange(t_max, dtype=np.int64)
+    runs = [offset + span[:n] for n, offset in zip(lengths, offsets)]  # each sequence's packed rows
     q_index = np.zeros((batch, t_max), dtype=np.int64)
-    for i, (n, offset) in enumerate(zip(lengths, offsets)):
-        q_index[i, :n] = offset + span[:n]
+    for i, run in enumerate(runs):
+        q_index[i, : len(run)] = run
     out_index = np.concatenate([i * t_max + span[:n] for i, n in enumerate(lengths)])
-    rows = np.concatenate([offset + span[:n] for n, offset in zip(lengths, offsets)])
+    rows = np.concatenate(runs)
     q_pos = np.array([item.start for item in items], dtype=np.int64)[:, None] + span[None, :]
     tree_mask = None
     if any(item.parents is not None for item in items):
