@@ -144,8 +144,13 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
 # ----------------------------------------------------------------------------------- servers
 def make_server(spec: str, threads: int) -> Server:
     """off, ngram, suffix, auto (specstream with that speculative method, default quantization; QUANTIZATION/METHOD
-    for another quantization, e.g. a8/auto; METHOD:chains with --no-tree-drafts, e.g. ngram:chains), llama (plain
+    for another quantization, e.g. a8/auto; METHOD:chains with --no-tree-drafts, e.g. ngram:chains; any of those
+    @DIR for the build checked out in DIR, e.g. auto@/tmp/base from `git worktree add /tmp/base HEAD~1`, run with
+    this environment's packages, so that two builds are measured side by side in one run), llama (plain
     llama-server) or llama:<spec-type> (llama-server with --spec-type)."""
+    spec, _, checkout = spec.partition("@")
+    if checkout and not (Path(checkout) / "gateway" / "cli.py").is_file():
+        raise SystemExit(f"unknown server {spec}@{checkout}: {checkout} is not a checkout of this project")
     port = free_port()
     if spec.startswith("llama"):
         gguf = bundled_gguf_path(BUNDLED_MODELS["smollm2-135m"])
@@ -186,7 +191,8 @@ def make_server(spec: str, threads: int) -> Server:
         "--compile-before-serving",
         *(["--no-tree-drafts"] if shape == "chains" else []),
     ]
-    return Server(f"specstream {spec}", cmd, "smollm2-135m", port)
+    label = f"specstream {spec}" + (f"@{Path(checkout).name}" if checkout else "")
+    return Server(label, cmd, "smollm2-135m", port, cwd=checkout or None)
 
 
 async def converse(
@@ -284,7 +290,10 @@ def main() -> None:
         for s in servers:
             print(f"starting {s.label}", file=sys.stderr, flush=True)
             s.proc = subprocess.Popen(
-                s.cmd, stdout=open(out / (s.label.replace(' ', '_').replace('/', '-') + '.log'), "w"), stderr=subprocess.STDOUT
+                s.cmd,
+                stdout=open(out / (s.label.replace(' ', '_').replace('/', '-') + '.log'), "w"),
+                stderr=subprocess.STDOUT,
+                cwd=s.cwd,
             )
             wait_up(s.url, s.proc, timeout=1800)
         for s in servers:  # warm: the first part of every workload, greedy, 8 at a time; not measured

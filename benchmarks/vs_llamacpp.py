@@ -93,6 +93,7 @@ class Server:
     rss_mib: float = float("nan")
     peak_mib: float = float("nan")
     results: dict = field(default_factory=dict)  # (prompt_set, streams) -> [summary, ...]
+    cwd: str | None = None  # where the server starts (a checkout of another build: open_chat_trace's METHOD@DIR)
 
     @property
     def url(self) -> str:
