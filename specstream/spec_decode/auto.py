@@ -49,6 +49,12 @@ it is, so the expected accepted length is the sum of its nodes' chances), and it
 the best step rate: a tree's first m nodes, grown best first, are its likeliest. It is picked where that
 rate beats the others' (and plain decoding's); where the suffix tree cannot be built here, auto goes on
 without it.
+
+The n-gram and suffix drafts' gains are scaled by the gain trust (gain_trust): what the drafts auto picked
+lately in the sampling bucket kept of the tokens they were priced to add. Each method's estimate is fair on
+its own, but auto drafts where an estimate is the best of three and beats plain decoding, so the drafts it
+picks are, more often than not, those whose estimates erred high: picked drafts keep less than they were
+priced at, and the ones that barely beat plain decoding lose. The trust takes that back out of their price.
 """
 
 from __future__ import annotations
@@ -89,6 +95,12 @@ HEAD_PRIOR = 0.6
 # A method's acceptance: the prior's weight in drafts, and how fast its history fades.
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
+# How auto's picked drafts kept what they were priced at, across sequences of a sampling bucket (the gain
+# trust): the prior's weight (a ratio of 1), in tokens expected; how much of the record each round keeps; and
+# the range the trust is held to.
+TRUST_WEIGHT = 16.0
+TRUST_DECAY = 0.995
+TRUST_RANGE = (0.5, 1.25)
 
 
 @dataclass
@@ -117,6 +129,7 @@ class _SeqChoice:
     last_method: str = ""
     last_kind: str = ""  # last_method's key in the shared record (an n-gram match's by its length)
     last_expected: float = 0.0  # the suffix draft's sum of chances
+    last_gain: float = 0.0  # the tokens an n-gram or suffix draft was priced to add, before the gain trust
     last_drafted: int = 0  # seq.stats totals when the last draft was handed out
     last_accepted: int = 0
 
@@ -142,6 +155,7 @@ class AutoProposer(Proposer):
         self._seqs: dict[str, _SeqChoice] = {}
         # Every sequence's rounds by method and sampling bucket: the prior of a sequence with little history.
         self.shared = SharedAcceptance()
+        self.trust: dict[str, Calibration] = {}  # by sampling bucket: n-gram and suffix drafts' kept / priced
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> AutoProposer:
@@ -216,6 +230,15 @@ class AutoProposer(Proposer):
             return tokens
         return []
 
+    def gain_trust(self, bucket: str) -> float:
+        """What the n-gram and suffix drafts auto picked lately in bucket kept of the tokens they were priced to
+        add, pulled toward 1 while it is little known: their prices are scaled by it. Each estimate is fair
+        alone, but a draft is picked where its estimate is the best of several and beats plain decoding, so the
+        picked ones are those whose estimates erred high, and their drafts keep less than priced."""
+        record = self.trust.get(bucket)
+        factor = record.factor(TRUST_WEIGHT) if record is not None else 1.0
+        return min(max(factor, TRUST_RANGE[0]), TRUST_RANGE[1])
+
     def release(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self.ngram.release(seq)
@@ -234,6 +257,8 @@ class AutoProposer(Proposer):
         drafted = seq.stats.drafted - choice.last_drafted
         accepted = seq.stats.accepted - choice.last_accepted
         bucket = sampling_bucket(seq.params)
+        if choice.last_method in ("suffix", "ngram"):
+            self.trust.setdefault(bucket, Calibration()).record(choice.last_gain, accepted, TRUST_DECAY)
         if choice.last_method == "suffix":
             choice.suffix.record(choice.last_expected, accepted)
             self.shared.record("suffix", bucket, accepted, choice.last_expected - accepted)
@@ -246,7 +271,8 @@ class AutoProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         head_ks = [0] * len(seqs)
-        fallback: dict[int, tuple[Draft, str]] = {}  # the n-gram draft (and kind) of a sequence the head's chain may decline
+        # the n-gram draft (its kind, the tokens it was priced to add) of a sequence the head's chain may decline
+        fallback: dict[int, tuple[Draft, str, float]] = {}
         # The step the drafts join: each sequence's choice is priced at its margin, after the choices before it.
         price = StepPrice(self.target_cost, self.take_step_base(len(seqs)))
         head_rows, head_gain = 0, 0.0  # what the head's picks are expected to add (its chains are judged later)
@@ -262,18 +288,21 @@ class AutoProposer(Proposer):
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
-                ngram_rate = best_length(ngram_a, len(tokens), price)[0] if tokens else 0.0
+                trust = self.gain_trust(bucket)  # the n-gram and suffix drafts' prices are scaled by it
+                ngram_rate = best_length(ngram_a, len(tokens), price, trust=trust)[0] if tokens else 0.0
                 tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
                 suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
                 factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
-                suffix_rate, suffix_m = best_cut(suffix_draft.chances, factor, price) if suffix_draft.tokens else (0.0, 0)
+                trusted = factor * trust
+                suffix_rate, suffix_m = best_cut(suffix_draft.chances, trusted, price) if suffix_draft.tokens else (0.0, 0)
                 if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
                     drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
                     choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
-                    price.add(factor * choice.last_expected, suffix_m)
+                    choice.last_gain = factor * choice.last_expected
+                    price.add(trusted * choice.last_expected, suffix_m)
                 elif head_m and head_rate > plain and head_rate > ngram_rate:
                     # With the target's cost curve the head's chain stops by its own confidence (ChainJudge),
                     # up to k; without it, at the length best for the sequence's acceptance so far.
@@ -283,11 +312,12 @@ class AutoProposer(Proposer):
                     price.add(gain, head_m, head_m * head_step + catch_up)
                     head_rows, head_gain = head_rows + head_m, head_gain + gain
                     if tokens:
-                        fallback[i] = Draft(tokens, None, "ngram"), ngram_kind
+                        fallback[i] = Draft(tokens, None, "ngram"), ngram_kind, expected_tokens(ngram_a, len(tokens)) - 1.0
                 elif tokens:
                     drafts[i] = Draft(tokens, None, "ngram")
                     choice.last_method, choice.last_kind = "ngram", ngram_kind
-                    price.add(expected_tokens(ngram_a, len(tokens)) - 1.0, len(tokens))
+                    choice.last_gain = expected_tokens(ngram_a, len(tokens)) - 1.0
+                    price.add(trust * choice.last_gain, len(tokens))
                 choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
@@ -305,7 +335,7 @@ class AutoProposer(Proposer):
                 self.shared.record("head", sampling_bucket(seqs[i].params), 0.0, 1.0)
                 choice.last_method = ""
                 if i in fallback:
-                    drafts[i], choice.last_kind = fallback[i]
+                    drafts[i], choice.last_kind, choice.last_gain = fallback[i]
                     choice.last_method = "ngram"
         return drafts
 

@@ -181,10 +181,15 @@ def expected_tokens(a: float, m: int) -> float:
     return float(m + 1) if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a)
 
 
-def best_length(a: float, most: int, price: StepPrice, step_cost: float = 0.0, fixed: float = 0.0) -> tuple[float, int]:
+def best_length(
+    a: float, most: int, price: StepPrice, step_cost: float = 0.0, fixed: float = 0.0, trust: float = 1.0
+) -> tuple[float, int]:
     """The best step rate (StepPrice.rate) over draft lengths 1..most of drafts each accepted with probability
-    a, each also costing a drafter step of step_cost seconds, all of them `fixed` seconds more, and that length."""
-    return max((price.rate(expected_tokens(a, m) - 1.0, m, m * step_cost + fixed), m) for m in range(1, most + 1))
+    a, each also costing a drafter step of step_cost seconds, all of them `fixed` seconds more, and that length;
+    the expected gain scaled by trust (what such drafts kept lately of their price)."""
+    return max(
+        (price.rate(trust * (expected_tokens(a, m) - 1.0), m, m * step_cost + fixed), m) for m in range(1, most + 1)
+    )
 
 
 def best_cut(chances: list[float], factor: float, price: StepPrice) -> tuple[float, int]:
