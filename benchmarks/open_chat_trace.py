@@ -145,7 +145,7 @@ def load_trace(seed: int = 0) -> dict[str, list[Conversation]]:
 def make_server(spec: str, threads: int) -> Server:
     """off, ngram, suffix, auto (specstream with that speculative method, default quantization; QUANTIZATION/METHOD
     for another quantization, e.g. a8/auto; METHOD:chains with --no-tree-drafts, e.g. ngram:chains; any of those
-    @DIR for the build checked out in DIR, e.g. auto@/tmp/base from `git worktree add /tmp/base HEAD~1`, run with
+    @DIR for the build checked out in DIR, e.g. auto@../base from `git worktree add ../base HEAD~1`, run with
     this environment's packages, so that two builds are measured side by side in one run), llama (plain
     llama-server) or llama:<spec-type> (llama-server with --spec-type)."""
     spec, _, checkout = spec.partition("@")

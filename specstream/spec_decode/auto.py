@@ -51,10 +51,11 @@ rate beats the others' (and plain decoding's); where the suffix tree cannot be b
 without it.
 
 The n-gram and suffix drafts' gains are scaled by the gain trust (gain_trust): what the drafts of that
-method auto picked lately in the sampling bucket kept of the tokens they were priced to add. Each method's estimate is fair on
-its own, but auto drafts where an estimate is the best of three and beats plain decoding, so the drafts it
-picks are, more often than not, those whose estimates erred high: picked drafts keep less than they were
-priced at, and the ones that barely beat plain decoding lose. The trust takes that back out of their price.
+method auto picked lately in the sampling bucket kept of the tokens they were priced to add. Each method's
+estimate is fair on its own, but auto drafts where an estimate is the best of three and beats plain
+decoding, so the drafts it picks are, more often than not, those whose estimates erred high: picked drafts
+keep less than they were priced at, and the ones that barely beat plain decoding lose. The trust takes that
+back out of their price.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ HEAD_PRIOR = 0.6
 # A method's acceptance: the prior's weight in drafts, and how fast its history fades.
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
-# How auto's picked drafts of a method kept what they were priced at, across sequences of a sampling bucket (the gain
-# trust): the prior's weight (a ratio of 1), in tokens expected; how much of the record each round keeps; and
-# the range the trust is held to.
+# How auto's picked drafts of a method kept what they were priced at, across sequences of a sampling bucket
+# (the gain trust): the prior's weight (a ratio of 1), in tokens expected; how much of the record each round
+# keeps; and the range the trust is held to.
 TRUST_WEIGHT = 16.0
 TRUST_DECAY = 0.995
 TRUST_RANGE = (0.5, 1.25)
@@ -232,9 +233,10 @@ class AutoProposer(Proposer):
 
     def gain_trust(self, method: str, bucket: str) -> float:
         """What the drafts of method ("ngram" or "suffix") auto picked lately in bucket kept of the tokens they
-        were priced to add, pulled toward 1 while it is little known: their prices are scaled by it. Each estimate is fair
-        alone, but a draft is picked where its estimate is the best of several and beats plain decoding, so the
-        picked ones are those whose estimates erred high, and their drafts keep less than priced."""
+        were priced to add, pulled toward 1 while it is little known: their prices are scaled by it. Each
+        estimate is fair alone, but a draft is picked where its estimate is the best of several and beats plain
+        decoding, so the picked ones are those whose estimates erred high, and their drafts keep less than
+        priced."""
         record = self.trust.get((method, bucket))
         factor = record.factor(TRUST_WEIGHT) if record is not None else 1.0
         return min(max(factor, TRUST_RANGE[0]), TRUST_RANGE[1])
