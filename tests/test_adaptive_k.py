@@ -538,7 +538,8 @@ def test_a_size_no_step_came_near_keeps_the_timed_jump_above_the_sizes_run():
 def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price():
     """The gain trust: a fresh bucket trusts the estimates (1); once auto's picked drafts keep 3/4 of the tokens
     they were priced to add, the trust is 3/4 (the record holds the price before the trust, so it does not
-    compound), held at 0.5 however poor, one method's or bucket's record not another's; a match whose estimate only just
+    compound), held at 0.5 however poor, one kind's (a match length's, the suffix's) or bucket's record not
+    another's; a match whose estimate only just
     beats plain decoding is drafted at a trust of 1 and not at 0.5."""
     from specstream.spec_decode.auto import NGRAM_PRIOR, TRUST_RANGE, AutoProposer, Calibration
     from specstream.spec_decode.ngram import NgramProposer
@@ -551,7 +552,7 @@ def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price()
     sampled = SamplingParams(temperature=0.7)
     bucket = sampling_bucket(sampled)
     auto = AutoProposer(None, NgramProposer(1, 4), k_max=8)
-    assert auto.gain_trust("ngram", bucket) == auto.gain_trust("suffix", bucket) == 1.0
+    assert auto.gain_trust("ngram2", bucket) == auto.gain_trust("suffix", bucket) == 1.0
     text = list(range(100, 130))
     seq = Sequence("r", text + [7] + text[:2], sampled, 0)  # a two-token match, drafting text[2:]
     owed = 0.0
@@ -568,10 +569,10 @@ def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price()
         auto.on_commit(seq)
         auto.shared = type(auto.shared)()  # the shared record held at its prior: every match drafts whole
         auto._seqs["r"].ngram.clear()
-    assert abs(auto.gain_trust("ngram", bucket) - 0.75) < 0.05
-    assert auto.gain_trust("ngram", "greedy") == auto.gain_trust("suffix", bucket) == 1.0
-    auto.trust["ngram", bucket] = Calibration(accepted=0.0, expected=1e4)
-    assert auto.gain_trust("ngram", bucket) == TRUST_RANGE[0] == 0.5
+    assert abs(auto.gain_trust("ngram2", bucket) - 0.75) < 0.05
+    assert auto.gain_trust("ngram2", "greedy") == auto.gain_trust("suffix", bucket) == auto.gain_trust("ngram1", bucket) == 1.0
+    auto.trust["ngram2", bucket] = Calibration(accepted=0.0, expected=1e4)
+    assert auto.gain_trust("ngram2", bucket) == TRUST_RANGE[0] == 0.5
 
     # At the margin: the shared record of two-token matches knows them (at about their prior), so a match is
     # drafted only where its price pays.
@@ -581,7 +582,7 @@ def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price()
         for _ in range(20):
             auto.shared.record("ngram2", bucket, 0.35, 0.65)
         if trust_record is not None:
-            auto.trust["ngram", bucket] = trust_record
+            auto.trust["ngram2", bucket] = trust_record
         auto.begin_step(StepBase.alone(1))
         return auto.propose([Sequence("m", text + [7] + text[:2], sampled, 0)], [4])[0].tokens
 

@@ -51,7 +51,8 @@ rate beats the others' (and plain decoding's); where the suffix tree cannot be b
 without it.
 
 The n-gram and suffix drafts' gains are scaled by the gain trust (gain_trust): what the drafts of that
-method auto picked lately in the sampling bucket kept of the tokens they were priced to add. Each method's
+kind (an n-gram match by its length, as the shared record keeps them, or a suffix draft) auto picked lately
+in the sampling bucket kept of the tokens they were priced to add. Each method's
 estimate is fair on its own, but auto drafts where an estimate is the best of three and beats plain
 decoding, so the drafts it picks are, more often than not, those whose estimates erred high: picked drafts
 keep less than they were priced at, and the ones that barely beat plain decoding lose. The trust takes that
@@ -96,7 +97,7 @@ HEAD_PRIOR = 0.6
 # A method's acceptance: the prior's weight in drafts, and how fast its history fades.
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
-# How auto's picked drafts of a method kept what they were priced at, across sequences of a sampling bucket
+# How auto's picked drafts of a kind kept what they were priced at, across sequences of a sampling bucket
 # (the gain trust): the prior's weight (a ratio of 1), in tokens expected; how much of the record each round
 # keeps; and the range the trust is held to.
 TRUST_WEIGHT = 16.0
@@ -156,7 +157,7 @@ class AutoProposer(Proposer):
         self._seqs: dict[str, _SeqChoice] = {}
         # Every sequence's rounds by method and sampling bucket: the prior of a sequence with little history.
         self.shared = SharedAcceptance()
-        self.trust: dict[tuple[str, str], Calibration] = {}  # by method and bucket: picked drafts' kept / priced
+        self.trust: dict[tuple[str, str], Calibration] = {}  # by kind and bucket: picked drafts' kept / priced
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> AutoProposer:
@@ -231,13 +232,13 @@ class AutoProposer(Proposer):
             return tokens
         return []
 
-    def gain_trust(self, method: str, bucket: str) -> float:
-        """What the drafts of method ("ngram" or "suffix") auto picked lately in bucket kept of the tokens they
-        were priced to add, pulled toward 1 while it is little known: their prices are scaled by it. Each
+    def gain_trust(self, kind: str, bucket: str) -> float:
+        """What the drafts of kind (ngram1..ngram4 by match length, or suffix) auto picked lately in bucket kept
+        of the tokens they were priced to add, pulled toward 1 while it is little known: their prices are scaled by it. Each
         estimate is fair alone, but a draft is picked where its estimate is the best of several and beats plain
         decoding, so the picked ones are those whose estimates erred high, and their drafts keep less than
         priced."""
-        record = self.trust.get((method, bucket))
+        record = self.trust.get((kind, bucket))
         factor = record.factor(TRUST_WEIGHT) if record is not None else 1.0
         return min(max(factor, TRUST_RANGE[0]), TRUST_RANGE[1])
 
@@ -260,7 +261,8 @@ class AutoProposer(Proposer):
         accepted = seq.stats.accepted - choice.last_accepted
         bucket = sampling_bucket(seq.params)
         if choice.last_method in ("suffix", "ngram"):
-            self.trust.setdefault((choice.last_method, bucket), Calibration()).record(choice.last_gain, accepted, TRUST_DECAY)
+            kind = "suffix" if choice.last_method == "suffix" else choice.last_kind
+            self.trust.setdefault((kind, bucket), Calibration()).record(choice.last_gain, accepted, TRUST_DECAY)
         if choice.last_method == "suffix":
             choice.suffix.record(choice.last_expected, accepted)
             self.shared.record("suffix", bucket, accepted, choice.last_expected - accepted)
@@ -290,7 +292,7 @@ class AutoProposer(Proposer):
                 plain = price.rate()
                 ngram_kind, ngram_prior = self._ngram_prior(n, bucket)
                 ngram_a = choice.ngram.get(ngram_kind, Acceptance()).estimate(ngram_prior, PRIOR_WEIGHT)
-                trust = self.gain_trust("ngram", bucket)  # what picked matches kept of their price lately
+                trust = self.gain_trust(ngram_kind, bucket)  # what picked matches of its length kept of their price
                 ngram_rate = best_length(ngram_a, len(tokens), price, trust=trust)[0] if tokens else 0.0
                 tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
