@@ -536,11 +536,11 @@ def test_a_size_no_step_came_near_keeps_the_timed_jump_above_the_sizes_run():
 
 
 def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price():
-    """The gain trust: a fresh bucket trusts the estimates (1); once auto's picked drafts keep 3/4 of the tokens
-    they were priced to add, the trust is 3/4 (the record holds the price before the trust, so it does not
+    """The gain trust: a fresh bucket trusts the estimates (1); once auto's picked drafts keep 3/4 of the tokens they
+    were priced to add, the trust is 3/4 (the record holds the price before the trust, so it does not
     compound), held at 0.5 however poor, one kind's (a match length's, the suffix's) or bucket's record not
-    another's; a match whose estimate only just
-    beats plain decoding is drafted at a trust of 1 and not at 0.5."""
+    another's; a match whose estimate only just beats plain decoding is drafted at a trust of 1 and not at
+    0.5."""
     from specstream.spec_decode.auto import NGRAM_PRIOR, TRUST_RANGE, AutoProposer, Calibration
     from specstream.spec_decode.ngram import NgramProposer
     from specstream.spec_decode.policy import StepBase, StepPrice, best_length, expected_tokens

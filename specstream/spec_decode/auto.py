@@ -50,13 +50,12 @@ the best step rate: a tree's first m nodes, grown best first, are its likeliest.
 rate beats the others' (and plain decoding's); where the suffix tree cannot be built here, auto goes on
 without it.
 
-The n-gram and suffix drafts' gains are scaled by the gain trust (gain_trust): what the drafts of that
-kind (an n-gram match by its length, as the shared record keeps them, or a suffix draft) auto picked lately
-in the sampling bucket kept of the tokens they were priced to add. Each method's
-estimate is fair on its own, but auto drafts where an estimate is the best of three and beats plain
-decoding, so the drafts it picks are, more often than not, those whose estimates erred high: picked drafts
-keep less than they were priced at, and the ones that barely beat plain decoding lose. The trust takes that
-back out of their price.
+The n-gram and suffix drafts' gains are scaled by the gain trust (gain_trust): what the drafts of that kind
+(an n-gram match by its length, as the shared record keeps them, or a suffix draft) auto picked lately in the
+sampling bucket kept of the tokens they were priced to add. Each method's estimate is fair on its own, but
+auto drafts where an estimate is the best of three and beats plain decoding, so the drafts it picks are, more
+often than not, those whose estimates erred high: picked drafts keep less than they were priced at, and the
+ones that barely beat plain decoding lose. The trust takes that back out of their price.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class _SeqChoice:
     ngram: dict[str, Acceptance] = field(default_factory=dict)
     suffix: Calibration = field(default_factory=Calibration)
     last_method: str = ""
-    last_kind: str = ""  # last_method's key in the shared record (an n-gram match's by its length)
+    last_kind: str = ""  # last_method's key in the shared record and the gain trust (an n-gram match's by its length)
     last_expected: float = 0.0  # the suffix draft's sum of chances
     last_gain: float = 0.0  # the tokens an n-gram or suffix draft was priced to add, before the gain trust
     last_drafted: int = 0  # seq.stats totals when the last draft was handed out
@@ -233,11 +232,11 @@ class AutoProposer(Proposer):
         return []
 
     def gain_trust(self, kind: str, bucket: str) -> float:
-        """What the drafts of kind (ngram1..ngram4 by match length, or suffix) auto picked lately in bucket kept
-        of the tokens they were priced to add, pulled toward 1 while it is little known: their prices are scaled by it. Each
-        estimate is fair alone, but a draft is picked where its estimate is the best of several and beats plain
-        decoding, so the picked ones are those whose estimates erred high, and their drafts keep less than
-        priced."""
+        """What the drafts of kind (ngram1..ngram4 by match length, or suffix) auto picked lately in bucket kept of the
+        tokens they were priced to add, pulled toward 1 while it is little known: their prices are scaled by
+        it. Each estimate is fair alone, but a draft is picked where its estimate is the best of several and
+        beats plain decoding, so the picked ones are those whose estimates erred high, and their drafts keep
+        less than priced."""
         record = self.trust.get((kind, bucket))
         factor = record.factor(TRUST_WEIGHT) if record is not None else 1.0
         return min(max(factor, TRUST_RANGE[0]), TRUST_RANGE[1])
@@ -261,8 +260,7 @@ class AutoProposer(Proposer):
         accepted = seq.stats.accepted - choice.last_accepted
         bucket = sampling_bucket(seq.params)
         if choice.last_method in ("suffix", "ngram"):
-            kind = "suffix" if choice.last_method == "suffix" else choice.last_kind
-            self.trust.setdefault((kind, bucket), Calibration()).record(choice.last_gain, accepted, TRUST_DECAY)
+            self.trust.setdefault((choice.last_kind, bucket), Calibration()).record(choice.last_gain, accepted, TRUST_DECAY)
         if choice.last_method == "suffix":
             choice.suffix.record(choice.last_expected, accepted)
             self.shared.record("suffix", bucket, accepted, choice.last_expected - accepted)
@@ -295,6 +293,7 @@ class AutoProposer(Proposer):
                 trust = self.gain_trust(ngram_kind, bucket)  # what picked matches of its length kept of their price
                 ngram_rate = best_length(ngram_a, len(tokens), price, trust=trust)[0] if tokens else 0.0
                 tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
+                ngram_gain = expected_tokens(ngram_a, len(tokens)) - 1.0  # as priced, before the trust
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
                 catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
                 head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
@@ -304,7 +303,7 @@ class AutoProposer(Proposer):
                 suffix_rate, suffix_m = best_cut(suffix_draft.chances, trusted, price) if suffix_draft.tokens else (0.0, 0)
                 if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
                     drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
-                    choice.last_method, choice.last_expected = "suffix", sum(drafts[i].chances)
+                    choice.last_method, choice.last_kind, choice.last_expected = "suffix", "suffix", sum(drafts[i].chances)
                     choice.last_gain = factor * choice.last_expected
                     price.add(trusted * choice.last_expected, suffix_m)
                 elif head_m and head_rate > plain and head_rate > ngram_rate:
@@ -316,12 +315,11 @@ class AutoProposer(Proposer):
                     price.add(gain, head_m, head_m * head_step + catch_up)
                     head_rows, head_gain = head_rows + head_m, head_gain + gain
                     if tokens:
-                        fallback[i] = Draft(tokens, None, "ngram"), ngram_kind, expected_tokens(ngram_a, len(tokens)) - 1.0
+                        fallback[i] = Draft(tokens, None, "ngram"), ngram_kind, ngram_gain
                 elif tokens:
                     drafts[i] = Draft(tokens, None, "ngram")
-                    choice.last_method, choice.last_kind = "ngram", ngram_kind
-                    choice.last_gain = expected_tokens(ngram_a, len(tokens)) - 1.0
-                    price.add(trust * choice.last_gain, len(tokens))
+                    choice.last_method, choice.last_kind, choice.last_gain = "ngram", ngram_kind, ngram_gain
+                    price.add(trust * ngram_gain, len(tokens))
                 choice.last_drafted, choice.last_accepted = seq.stats.drafted, seq.stats.accepted
         if any(head_ks):
             idx = [i for i, k in enumerate(head_ks) if k]
