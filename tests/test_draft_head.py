@@ -249,9 +249,9 @@ def test_head_kv_after_rejections_equals_a_fresh_recompute(trained, target_dir, 
 
 
 def test_waiting_features_are_counted_and_hold_only_their_own_rows(trained, target_dir, chats):
-    """Features wait until a sequence next drafts (under load, maybe for its whole life): each
-    waiting piece must be a copy, not a view that keeps the whole step's features alive, and
-    the count of waiting rows must not cost a walk over them."""
+    """Features wait until a sequence next drafts (under load, maybe for its whole life): they are copied into
+    the sequence's own buffer, not kept as views that hold the whole step's features alive, nor as a tensor a
+    step, and the count of waiting rows must not cost a walk over them."""
     engine = engine_for(target_dir, "eagle", trained[0], k=6)
     seqs = [engine.prepare(c, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for c in chats[:3]]
     for seq in seqs:
@@ -260,9 +260,51 @@ def test_waiting_features_are_counted_and_hold_only_their_own_rows(trained, targ
         engine.step()
         for seq in seqs:
             state = engine.proposer._state[seq.request_id]
-            assert state.num_pending == sum(len(p) for p in state.pending) > 0
-            assert all(p.untyped_storage().nbytes() == p.nbytes for p in state.pending)
+            assert 0 < state.num_pending <= len(state.waiting)
+            assert state.waiting._base is None  # the sequence's own storage
             assert state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
+
+
+def test_a_head_that_waits_past_its_bound_keeps_the_newest_rows_and_drafts_as_one_fed_from_them(
+    trained, target_dir, chats, monkeypatch
+):
+    """A sequence that does not draft with the head for a while (auto's other methods, or a long prompt) keeps at
+    most MAX_WAITING rows waiting: past it, the newest KEPT_WAITING stay and the head's context starts at them. A
+    head that had fed rows starts its cache again there (its blocks handed back), and drafts what a head fed from
+    there drafts."""
+    import specstream.spec_decode.eagle as eagle
+
+    monkeypatch.setattr(eagle, "MAX_WAITING", 12)
+    monkeypatch.setattr(eagle, "KEPT_WAITING", 5)
+    engine = engine_for(target_dir, "eagle", trained[0], k=4)
+    live = engine.proposer
+    seq = engine.prepare(chats[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 4:
+        engine.step()
+    state = live._state[seq.request_id]
+    assert state.fed and state.table and state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
+    width = state.waiting.shape[1]
+    # 20 rows arrive while the head does not draft: 12 fit, so the newest 5 stay, the cache starts again at them
+    expected, free = state.base + state.fed + state.num_pending, live.pool.num_free_blocks
+    rows = torch.arange(20 * width, dtype=state.waiting.dtype).reshape(20, width)
+    live.observe(seq, expected, rows)
+    assert (state.fed, state.num_pending, state.table) == (0, 5, [])
+    assert live.pool.num_free_blocks > free
+    assert torch.equal(state.pending, rows[-5:])
+    assert len(state.waiting) <= 12 and state.base == expected + 20 - 5
+    # served: rows past the bound go, and what the head then drafts is what a head fed from its base drafts
+    engine = engine_for(target_dir, "eagle", trained[0], k=4)
+    live = engine.proposer
+    long_chat = [{"role": "user", "content": " ".join(c[0]["content"] for c in chats[:3])}]
+    seq = engine.prepare(long_chat, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 10:
+        engine.step()
+    state = live._state[seq.request_id]
+    assert state.base >= seq.num_prompt_tokens - 5 > 0  # the prompt's rows went past the bound
+    monkeypatch.setattr(eagle, "MAX_WAITING", 4096)  # the fresh head below keeps every row it is fed
+    assert fresh_head_draft(engine, seq, state.base, k=4).tokens == live.propose([seq], [4])[0].tokens
 
 
 def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):

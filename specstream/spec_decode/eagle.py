@@ -6,8 +6,8 @@ row); else a chain. A sampled request's drafts carry the head's q for rejection 
 The head keeps its own one-layer KV pool. Row t of a sequence's head cache is computed from
 the target's features at position t and token t + 1, so it can be written once both are
 final: the target hands over the features of every prompt chunk and of each round's
-accepted rows (observe), and they wait, cheap, until the sequence next drafts. A drafting
-round then
+accepted rows (observe), and they wait, copied into one buffer a sequence, until the sequence
+next drafts; at most MAX_WAITING rows wait (_wait). A drafting round then
 1. feeds the waiting rows (in chunks, so a long prompt never makes one huge pass); the last
    row's output is the first draft;
 2. runs one more packed head step per further draft, each reading the previous step's own
@@ -24,6 +24,8 @@ on (its rotary positions count from base too: attention with rotary embeddings d
 on relative positions). Its drafts then see less context, which can only lower their
 acceptance, never change the output (verification decides that); no head row is ever stale
 or unwritten. A later prompt that shares the prefix gets the same, shorter head context.
+A sequence that has not drafted with the head for MAX_WAITING rows (a long prompt; auto drafting with other
+methods) likewise starts the head's cache again at the newest KEPT_WAITING rows.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ logger = logging.getLogger("specstream.spec_decode.eagle")
 BUNDLED_HEADS = {"smollm2-135m": "smollm2-135m"}
 # Most head rows fed in one pass while catching up on a prompt.
 FEED_CHUNK = 256
+# Most target rows a sequence keeps waiting for the head (features of positions it has not fed), and how many of
+# the newest stay when more come: the head's context then starts at them, as past a cached prefix.
+MAX_WAITING = 2 * FEED_CHUNK
+KEPT_WAITING = FEED_CHUNK
 # A head tree's branching: each expanded node's likeliest children, and the nodes expanded per depth.
 TREE_WIDTH = 3
 
@@ -102,8 +108,14 @@ class _HeadState:
     base: int  # the sequence position of head row 0: the first position whose features came
     table: list[int] = field(default_factory=list)
     fed: int = 0  # head rows 0 .. fed - 1 (positions base ..) are computed from the target's features
-    pending: list[torch.Tensor] = field(default_factory=list)  # features of positions base + fed, ...
-    num_pending: int = 0  # rows in pending, counted as they come (a sequence that rarely drafts piles up many)
+    # The sequence's own buffer, grown up to MAX_WAITING rows: its first num_pending rows are the features of
+    # positions base + fed, ... waiting to be fed.
+    waiting: torch.Tensor | None = None
+    num_pending: int = 0
+
+    @property
+    def pending(self) -> torch.Tensor:
+        return self.waiting[: self.num_pending]
 
 
 class EagleProposer(Proposer):
@@ -160,11 +172,37 @@ class EagleProposer(Proposer):
         if start > expected:
             raise RuntimeError(f"draft head of {seq.request_id}: features from position {start}, expected {expected}")
         if start + len(features) > expected:
-            # A copy: a decode step's rows are views of the whole step's features, which a
-            # view would keep alive for as long as the sequence waits to draft.
-            rows = features[expected - start :].clone()
-            state.pending.append(rows)
-            state.num_pending += len(rows)
+            self._wait(state, features[expected - start :])
+
+    def _wait(self, state: _HeadState, rows: torch.Tensor) -> None:
+        """Copy rows into the sequence's waiting buffer: one buffer a sequence, grown by doubling, not a tensor
+        a step (a view would keep the step's features alive; a copy a step is thousands of small allocations
+        alive at many streams, among which the target's forward ran slower: README). Past MAX_WAITING rows the
+        oldest go (KEPT_WAITING stay): a sequence that drafts with the head rarely, or never, holds a bounded
+        buffer, and its next head round a bounded catch-up. Where the head has fed rows, its cache starts again
+        at the rows kept: a gap in its positions would leave rows unwritten."""
+        total = state.num_pending + len(rows)
+        if total > MAX_WAITING:
+            drop = total - KEPT_WAITING
+            if state.fed:
+                self.pool.free(state.table)
+                state.base, state.fed = state.base + state.fed, 0
+            kept = state.num_pending - drop
+            if kept > 0:
+                state.waiting[:kept] = state.waiting[drop : state.num_pending].clone()
+            else:
+                rows = rows[-kept:]
+            state.base += drop
+            state.num_pending = max(kept, 0)
+        need = state.num_pending + len(rows)
+        if state.waiting is None or need > len(state.waiting):
+            size = min(max(need, 2 * len(state.waiting) if state.waiting is not None else 0), MAX_WAITING)
+            grown = rows.new_empty((size, rows.shape[1]))
+            if state.num_pending:
+                grown[: state.num_pending] = state.pending
+            state.waiting = grown
+        state.waiting[state.num_pending : need] = rows
+        state.num_pending = need
 
     def on_commit(self, seq: Sequence) -> None:
         self.trust.committed(seq)
@@ -360,7 +398,7 @@ class EagleProposer(Proposer):
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each sequence's waiting rows; return its last row's (logits, pre-norm output)."""
         states = [self._state[s.request_id] for s in seqs]
-        feats = [torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0] for st in states]
+        feats = [st.pending for st in states]  # views of the buffers, read before this returns
         out_logits: list[torch.Tensor | None] = [None] * len(seqs)
         out_hidden: list[torch.Tensor | None] = [None] * len(seqs)
         done = [0] * len(seqs)
@@ -386,7 +424,6 @@ class EagleProposer(Proposer):
                 out_logits[j], out_hidden[j] = logits[r], hidden[r]
         for st, f in zip(states, feats):
             st.fed += len(f)
-            st.pending = []
             st.num_pending = 0
         return torch.stack(out_logits), torch.stack(out_hidden)
 
