@@ -283,6 +283,10 @@ def main() -> None:
     args.workloads = sorted({w for w, _, _ in cells})
     trace = load_trace()
     print("trace: " + ", ".join(f"{k} {len(v)} conversations" for k, v in trace.items()), file=sys.stderr)
+    for w in args.workloads:  # before any server starts: each pass of each cell takes conversations no server has seen
+        need = args.warm + args.measured * args.passes * sum(cw == w for cw, _, _ in cells)
+        if need > len(trace[w]):
+            raise SystemExit(f"the {w} trace has {len(trace[w])} conversations, its cells need {need}; lower --measured, --passes or --warm")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     servers = [make_server(s, args.threads) for s in args.servers]
@@ -306,10 +310,6 @@ def main() -> None:
                 # Conversations no server has seen: a repeated one would be drafted whole from the global cache.
                 measured = trace[w][used[w] : used[w] + args.measured]
                 used[w] += args.measured
-                if len(measured) < args.measured:
-                    raise SystemExit(
-                        f"the {w} trace has too few conversations for its cells; lower --measured or --warm"
-                    )
                 for s in servers if p % 2 == 0 else servers[::-1]:
                     # Untimed, a few short turns first: a server idle while the others ran is slower at first.
                     asyncio.run(run_cell(s, trace[w][:streams], streams, 8, temperature))
