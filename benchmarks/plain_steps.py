@@ -4,11 +4,11 @@ Both engines serve the same open-chat trace's conversations (benchmarks/open_cha
 as the served benchmark's clients do (each answered turn sends its next turn, a finished conversation is replaced),
 after a greedy warm-up of --warm conversations, in passes (off, auto, auto, off, ...) of fresh conversations, the
 same for both. Not step by step: the engines share the process's heap, so what one does to the allocator would slow
-the other's steps as well and hide it. Every step of decoding sequences alone where
-no sequence drafted is timed whole, its proposer call and its forward apart. Such a step does the same work in both
-engines, so where `auto`'s is dearer, drafting's bookkeeping costs every step, drafting or not (a draft head's
-features handed over each step, the proposer's lookups). The passes' throughput ratios are printed too, but they move with the
-sampled answers' lengths; the plain steps' times do not.
+the other's steps as well and hide it. Every step of decoding sequences alone where no sequence drafted is timed
+whole, its proposer call and its forward apart. Such a step does the same work in both engines, so where `auto`'s
+is dearer, drafting's bookkeeping costs every step, drafting or not (a draft head's features handed over each step,
+the proposer's lookups). The passes' throughput ratios are printed too, but they move with the sampled answers'
+lengths; the plain steps' times do not.
 
     .venv/bin/python benchmarks/plain_steps.py --workload agent --streams 32 --temperature 0.7
     .venv/bin/python benchmarks/plain_steps.py --streams 32 --no-features   # auto without the head's features

@@ -187,11 +187,11 @@ class EagleProposer(Proposer):
             if state.fed:
                 self.pool.free(state.table)
                 state.base, state.fed = state.base + state.fed, 0
-            kept = state.num_pending - drop
+            kept = state.num_pending - drop  # waiting rows that stay; where none, the oldest new rows go too
             if kept > 0:
                 state.waiting[:kept] = state.waiting[drop : state.num_pending].clone()
             else:
-                rows = rows[-kept:]
+                rows = rows[drop - state.num_pending :]
             state.base += drop
             state.num_pending = max(kept, 0)
         need = state.num_pending + len(rows)
