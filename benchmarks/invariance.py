@@ -26,7 +26,7 @@ import torch
 from gateway.bench.prompts import GROUNDED, OPEN_CHAT
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.spec_decode.draft_head import HeadError
-from specstream.spec_decode.eagle import resolve_head_dir
+from specstream.spec_decode.head_files import resolve_head_dir
 from specstream.model.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
 
 PROMPTS = GROUNDED + OPEN_CHAT

@@ -31,9 +31,9 @@ from quant_forward import cpu_name  # noqa: E402
 from specstream import SamplingParams  # noqa: E402
 
 
-def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]]) -> None:
+def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]], tapped: list[int]) -> None:
     """Hook engine so that each step of decoding sequences alone with no draft appends (step, propose, forward)
-    seconds to into[batch]."""
+    seconds to into[batch], and each step counts in tapped: [steps whose forward computed a head's features, steps]."""
     now: dict = {}
     propose, forward, pack, step = engine._propose, engine.runner.forward, engine._pack, engine.step
 
@@ -47,6 +47,8 @@ def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]]) 
         started = time.perf_counter()
         out = forward(*args, **kwargs)
         now["forward"] = time.perf_counter() - started
+        tapped[0] += bool(args[1] if len(args) > 1 else kwargs.get("aux_layers"))
+        tapped[1] += 1
         return out
 
     def packed(decodes, drafts, prefills):
@@ -73,7 +75,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=32, help="conversations a pass")
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--no-features", action="store_true", help="auto without its draft head's features (nor head)")
+    p.add_argument("--no-features", action="store_true", help="auto without its draft head (nor its features)")
     p.add_argument("--min-steps", type=int, default=20, help="plain steps a batch size needs in both engines to be shown")
     args = p.parse_args()
     convs = load_trace()[args.workload]
@@ -81,12 +83,13 @@ def main() -> None:
         raise SystemExit(f"the {args.workload} trace has {len(convs)} conversations; lower --warm, --conversations or --passes")
     engines = {method: build(method) for method in ("off", "auto")}
     if args.no_features:
-        engines["auto"].proposer.aux_layers = ()  # the engine asks each step: no features computed or handed
+        engines["auto"].proposer.head = None  # no head: no features computed or handed
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     steps: dict[str, dict[int, list]] = {}
+    tapped = [0, 0]  # auto's steps whose forward computed the head's features, its steps
     for method, engine in engines.items():
         converse_pool(engine, convs[: args.warm], args.streams, greedy)
-        time_plain_steps(engine, steps.setdefault(method, defaultdict(list)))
+        time_plain_steps(engine, steps.setdefault(method, defaultdict(list)), tapped if method == "auto" else [0, 0])
     rates: dict[str, list[float]] = defaultdict(list)
     for n in range(args.passes):
         lo = args.warm + n * args.conversations
@@ -99,7 +102,8 @@ def main() -> None:
     features = " (no head features)" if args.no_features else ""
     print(f"\n{args.workload} x{args.streams} T={args.temperature}, {args.passes} passes of {args.conversations} conversations")
     print(f"throughput auto{features} / off by pass: {' '.join(f'{r:.2f}' for r in ratios)}; "
-          f"all passes {sum(rates['auto']) / sum(rates['off']):.2f}x")
+          f"all passes {sum(rates['auto']) / sum(rates['off']):.2f}x; auto's steps with the head's features computed: "
+          f"{tapped[0]} of {tapped[1]}")
     print(f"\n| batch | off plain steps | off ms: step / propose / forward | auto{features} plain steps "
           "| auto ms: step / propose / forward | auto / off, step |")
     print("|---|---|---|---|---|---|")

@@ -24,7 +24,7 @@ _EXPORTS = {
     "load_tokenizer": "specstream.model.loader",
     "resolve_model": "specstream.model.loader",
     "HeadError": "specstream.spec_decode.draft_head",
-    "check_draft_head": "specstream.spec_decode.eagle",
+    "check_draft_head": "specstream.spec_decode.head_files",
     "TrainConfig": "specstream.training.config",
     "train_draft": "specstream.training.train_draft",
     "EngineDeadError": "specstream.errors",
@@ -102,7 +102,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never run
     from specstream.model.loader import DEFAULT_MODEL, ModelError, load_model, load_tokenizer, resolve_model
     from specstream.sampling import SamplingParams
     from specstream.spec_decode.draft_head import HeadError
-    from specstream.spec_decode.eagle import check_draft_head
+    from specstream.spec_decode.head_files import check_draft_head
     from specstream.sampling import StructuredOutput
     from specstream.structured.grammar import JSON_OPTIONS
     from specstream.training.config import TrainConfig

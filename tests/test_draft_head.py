@@ -307,6 +307,72 @@ def test_a_head_that_waits_past_its_bound_keeps_the_newest_rows_and_drafts_as_on
     assert fresh_head_draft(engine, seq, state.base, k=4).tokens == live.propose([seq], [4])[0].tokens
 
 
+def test_auto_s_head_asleep_then_woken_drafts_from_the_features_since_and_output_stays_plain(
+    trained, target_dir, chats, monkeypatch
+):
+    """auto taps the head's features only while a head round may pay (AutoProposer.prefill): here no head round is
+    priced for a few steps, the tap goes off (the target's forward computes no features; the head forgets its
+    rows), then rounds are priced again and it wakes: each running sequence's head cache starts at the first
+    features handed over after it, the head drafts from there, and the output is the plain one."""
+    import specstream.spec_decode.auto as auto_module
+
+    monkeypatch.setattr(auto_module, "TAP_LINGER", 2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in engine_for(target_dir, "off", None).generate(chats[:3], params)]
+    engine = engine_for(target_dir, "auto", trained[0], k=4)
+    auto = engine.proposer
+    auto.head_prior = 0.95  # a head round pays wherever the head can draft
+    real_rate, asleep = auto._head_rate, range(6, 14)  # steps where no head round is priced
+
+    def head_rate(seq, bucket, *args):
+        if auto._steps in asleep:
+            auto._judged[bucket] = auto._steps
+            return 0.0, 0, 0.0
+        return real_rate(seq, bucket, *args)
+
+    monkeypatch.setattr(auto, "_head_rate", head_rate)
+    taps, head_steps, real_propose = [], [], auto.head.propose
+
+    def head_propose(seqs, ks):
+        drafts = real_propose(seqs, ks)
+        head_steps.append(auto._steps) if any(d.tokens for d in drafts) else None
+        return drafts
+
+    monkeypatch.setattr(auto.head, "propose", head_propose)
+    seqs = [engine.prepare(c, params) for c in chats[:3]]
+    for seq in seqs:
+        engine.submit(seq)
+    woken = None
+    while engine.has_unfinished():
+        engine.step()
+        taps.append(bool(auto.aux_layers))
+        if woken is None and auto._steps > asleep[-1] and seqs[0].request_id in auto.head._state:
+            woken = {s.request_id: auto.head._state[s.request_id].base - s.num_prompt_tokens for s in seqs}
+    assert [s.output_ids for s in seqs] == plain
+    assert not any(taps[asleep[0] + 2 : asleep[-1]]) and any(taps[asleep[-1] :]) and all(taps[: asleep[0]])
+    assert min(woken.values()) >= asleep[-1] - 1  # each head cache started past the output so far: no prompt rows
+    assert any(step > asleep[-1] + 1 for step in head_steps)  # the woken head drafts
+    assert auto.head.pool.num_free_blocks == auto.head.pool.num_blocks and not auto.head._state
+
+
+def test_a_gap_in_the_heads_features_starts_its_cache_again_at_the_new_rows(trained, target_dir, chats):
+    """Features that stop for a while and come again (no tap in between) start the sequence's head cache at the
+    first new position, its blocks handed back, rather than failing the sequence's drafting state."""
+    engine = engine_for(target_dir, "eagle", trained[0], k=4)
+    live = engine.proposer
+    seq = engine.prepare(chats[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < 4:
+        engine.step()
+    state = live._state[seq.request_id]
+    assert state.fed and state.table
+    start, free = state.base + state.fed + state.num_pending + 3, live.pool.num_free_blocks
+    rows = torch.ones(2, state.waiting.shape[1], dtype=state.waiting.dtype)
+    live.observe(seq, start, rows)
+    assert (state.base, state.fed, state.num_pending, state.table) == (start, 0, 2, [])
+    assert live.pool.num_free_blocks > free and torch.equal(state.pending, rows)
+
+
 def test_preemption_frees_and_refeeds_the_heads_cache(trained, target_dir):
     plain = [o.token_ids for o in greedy(engine_for(target_dir, "off", None), RAW_PROMPTS, max_tokens=60)]
     engine = engine_for(target_dir, "eagle", trained[0], kv_cache_tokens=160, kv_block_size=16)
@@ -511,7 +577,7 @@ def test_default_model_with_a_head_is_greedy_identical_to_plain_in_fp32(default_
 
 def test_the_bundled_head_drafts_losslessly_under_eagle_and_auto(default_model_source, tiny_model_dir):
     from gateway.cli import build_parser
-    from specstream.spec_decode.eagle import bundled_head_dir
+    from specstream.spec_decode.head_files import bundled_head_dir
 
     # auto is the default: with the bundled head it measured faster than n-gram alone (README).
     assert EngineConfig().speculative.method == "auto"
@@ -565,6 +631,12 @@ class _StubHead:
     def propose(self, seqs, ks):
         self.asked.extend(ks)
         return [Draft([0] * k, None, "head") for k in ks]
+
+    def ready(self, seq) -> bool:
+        return getattr(self, "can_draft", True)
+
+    def drop_states(self) -> None:
+        self.dropped = getattr(self, "dropped", 0) + 1
 
     def on_commit(self, seq) -> None:
         self.committed = getattr(self, "committed", []) + [seq.request_id]
@@ -967,6 +1039,56 @@ def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
     assert head.asked == [4] and draft.method == "ngram" and draft.tokens[:3] == [1, 2, 3]
     history = auto._seqs["s"].head
     assert history.rejected == 1.0 and history.accepted == 0.0
+
+
+def test_auto_taps_the_heads_features_only_while_a_head_round_may_pay(monkeypatch):
+    """The target computes the head's features (aux_layers) only while the head may be picked: for TAP_LINGER steps
+    after a head round last priced above plain decoding (the head cannot draft without them, so a round it is not
+    ready for keeps the tap on but is not picked), or when a prompt is prefilled of a sampling bucket never judged
+    or whose head contended when last judged. Going off, the head forgets its rows."""
+    import specstream.spec_decode.auto as auto_module
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    monkeypatch.setattr(auto_module, "TAP_LINGER", 3)
+    head = _StubHead(0.0)
+    head.aux_layers = (0, 1)
+    auto = AutoProposer(head, NgramProposer(1, 4), head_prior=0.05)  # a head round never pays
+    auto.target_cost = CostModel([1, 9], [0.010, 0.030])
+    fresh = list(range(40, 60))
+    greedy_seq = Sequence("g", fresh, SamplingParams(temperature=0), arrival=0)
+    assert auto.aux_layers == (0, 1)  # on at start: a first prompt's features are not lost
+    for _ in range(3):
+        auto.prefill([])
+        auto.propose([greedy_seq], [4])
+    assert auto.aux_layers == (0, 1)
+    auto.prefill([])
+    assert auto.aux_layers == () and head.dropped == 1 and head.asked == []
+    auto.prefill([(Sequence("g2", fresh, SamplingParams(temperature=0), arrival=0), 20)])
+    assert auto.aux_layers == ()  # greedy was judged and its head round did not pay
+    sampled = Sequence("t", fresh, SamplingParams(temperature=0.7), arrival=0)
+    auto.prefill([(sampled, 20)])
+    assert auto.aux_layers == (0, 1)  # a bucket never judged: its prompt's features are kept
+    for _ in range(4):
+        auto.prefill([])
+        auto.propose([sampled], [4])
+    assert auto.aux_layers == () and head.dropped == 2
+    # A head round priced above plain decoding wakes the tap, but is not picked while the head cannot draft yet.
+    auto.head_prior, head.can_draft = 0.95, False
+    auto.prefill([])
+    (draft,) = auto.propose([Sequence("g3", fresh, SamplingParams(temperature=0), arrival=0)], [4])
+    assert auto.aux_layers == (0, 1) and head.asked == [] and not draft.tokens
+    head.can_draft = True
+    auto.prefill([])
+    auto.propose([Sequence("g4", fresh, SamplingParams(temperature=0), arrival=0)], [4])
+    assert head.asked and auto.aux_layers == (0, 1)
+    # prompts of a bucket whose head contended when last judged wake it again
+    for _ in range(4):
+        auto.prefill([])
+    assert auto.aux_layers == ()
+    auto.prefill([(Sequence("g5", fresh, SamplingParams(temperature=0), arrival=0), 20)])
+    assert auto.aux_layers == (0, 1)
 
 
 def test_head_served_in_8_bit_blocks_drafts_as_the_dense_head_does(trained, target_dir):

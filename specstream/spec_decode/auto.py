@@ -24,7 +24,10 @@ that from the requests before it instead of from its own losing rounds. The head
 the rows it has not seen (EagleProposer.catch_up_cost): a sequence that has not drafted with the head for a
 while pays a pass over all of them before its first draft, its prompt's rows included. Spreading that pass
 over the head rounds left in the request (it serves all of them) was tried and measured worse: the head's
-rounds came back and did not pay (README, the open-chat trace).
+rounds came back and did not pay (README, the open-chat trace). The head's features cost every step's forward
+(three layers' rows gathered, handed to each sequence): they are computed only while a head round may be picked
+(prefill: for TAP_LINGER steps after one last priced above plain decoding, or for a prompt of a sampling bucket
+whose head did when last judged). Where none pays (many sampled streams), the head sleeps and forgets its rows.
 
 Where neither the suffix draft nor the head is picked, an n-gram match drafts as under method "ngram" (up to
 the k that the k policy, policy.KPolicy, granted from the sequence's own acceptance, charging auto's drafts no
@@ -78,7 +81,8 @@ from specstream.spec_decode.policy import (
     sampling_bucket,
 )
 from specstream.spec_decode.draft_head import HeadError
-from specstream.spec_decode.eagle import EagleProposer, resolve_head_dir
+from specstream.spec_decode.eagle import EagleProposer
+from specstream.spec_decode.head_files import resolve_head_dir
 from specstream.spec_decode.ngram import NgramProposer
 from specstream.spec_decode.proposer import Draft, DraftMask, Proposer, ProposerContext
 from specstream.spec_decode.suffix import SuffixProposer, SuffixUnavailable
@@ -102,6 +106,9 @@ DECAY = 0.9
 TRUST_WEIGHT = 16.0
 TRUST_DECAY = 0.995
 TRUST_RANGE = (0.5, 1.25)
+# The head's features are tapped from the target's forward (aux_layers) only while the head may be picked: for
+# TAP_LINGER steps after a sequence's head round last priced above plain decoding, before any catch-up.
+TAP_LINGER = 256
 
 
 @dataclass
@@ -150,7 +157,12 @@ class AutoProposer(Proposer):
         self.ngram = ngram
         self.suffix = suffix
         self.head_prior = head_prior
-        self.aux_layers = head.aux_layers if head is not None else ()
+        self._steps = 0  # engine steps (prefill is called once a step)
+        self._tap_until = TAP_LINGER if head is not None else 0  # the head's features are tapped up to this step
+        self._tapped = head is not None
+        # By sampling bucket: the last step a sequence of it was judged, and the last its head round contended.
+        self._judged: dict[str, int] = {}
+        self._contended: dict[str, int] = {}
         self.target_cost: CostModel | None = None  # set by calibrate()
         self.lookup = ngram.lookup
         self._seqs: dict[str, _SeqChoice] = {}
@@ -196,6 +208,33 @@ class AutoProposer(Proposer):
         weighed against the other methods and plain decoding (propose). Charging every draft a head step
         there would grant n-gram matches shorter drafts, or none, than plain `ngram` gets."""
         return 0.0
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers the head reads, while its features are tapped; () while the head is dormant."""
+        return self.head.aux_layers if self.head is not None and self._steps <= self._tap_until else ()
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Once a step, before propose: the head's tap. It stays on for TAP_LINGER steps after a head round last
+        priced above plain decoding (propose), and wakes for a prompt of a sampling bucket whose head contended
+        when the bucket was last judged, or that was never judged, so that the head has the prompt's features.
+        Once it goes off (no head round pays: many sampled streams), the target's forward no longer computes
+        the features nor hands them over, and the head forgets every sequence's rows; a sequence it drafts for
+        after the tap wakes starts its head cache at the first features handed over again (less context for
+        those drafts, never a different output)."""
+        self._steps += 1
+        if self.head is None:
+            return
+        for seq, _ in chunks:
+            bucket = sampling_bucket(seq.params)
+            judged = self._judged.get(bucket)
+            if judged is None or self._contended.get(bucket, judged - TAP_LINGER) > judged - TAP_LINGER:
+                self._tap_until = max(self._tap_until, self._steps + TAP_LINGER)
+        tapped = self._steps <= self._tap_until
+        if self._tapped and not tapped:
+            logger.debug("speculation auto: the draft head goes dormant (no head round paid for %d steps)", TAP_LINGER)
+            self.head.drop_states()
+        self._tapped = tapped
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         if self.head is not None:
@@ -295,8 +334,7 @@ class AutoProposer(Proposer):
                 tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
                 ngram_gain = expected_tokens(ngram_a, len(tokens)) - 1.0  # as priced, before the trust
                 head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
-                catch_up = self.head.catch_up_cost(seq) if self.head is not None else 0.0
-                head_rate, head_m = best_length(head_a, k, price, head_step, catch_up) if self.head is not None else (0.0, 0)
+                head_rate, head_m, catch_up = self._head_rate(seq, bucket, head_a, k, price, head_step, plain)
                 suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
                 factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
                 trusted = factor * self.gain_trust("suffix", bucket)
@@ -340,6 +378,25 @@ class AutoProposer(Proposer):
                     drafts[i], choice.last_kind, choice.last_gain = fallback[i]
                     choice.last_method = "ngram"
         return drafts
+
+    def _head_rate(
+        self, seq: Sequence, bucket: str, a: float, k: int, price: StepPrice, step: float, plain: float
+    ) -> tuple[float, int, float]:
+        """The head's best step rate for seq, its length, and the catch-up it is priced with. A round priced above
+        plain decoding before any catch-up keeps the head's features tapped (prefill); one for a sequence the head
+        cannot draft for now (no features since the tap woke) is not picked."""
+        self._judged[bucket] = self._steps
+        if self.head is None:
+            return 0.0, 0, 0.0
+        rate, m = best_length(a, k, price, step)
+        if rate <= plain:
+            return rate, m, 0.0
+        self._contended[bucket] = self._steps
+        self._tap_until = self._steps + TAP_LINGER
+        if not self.head.ready(seq):
+            return 0.0, 0, 0.0
+        catch_up = self.head.catch_up_cost(seq)
+        return (*best_length(a, k, price, step, catch_up), catch_up) if catch_up > 0 else (rate, m, 0.0)
 
     def _head_step_cost(self) -> float:
         return self.head.pass_cost(1) if self.head is not None else 0.0

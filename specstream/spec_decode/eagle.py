@@ -25,20 +25,20 @@ on relative positions). Its drafts then see less context, which can only lower t
 acceptance, never change the output (verification decides that); no head row is ever stale
 or unwritten. A later prompt that shares the prefix gets the same, shorter head context.
 A sequence that has not drafted with the head for MAX_WAITING rows (a long prompt; auto drafting with other
-methods) likewise starts the head's cache again at the newest KEPT_WAITING rows.
+methods) likewise starts the head's cache again at the newest KEPT_WAITING rows, and one whose features stopped
+for a while (auto's head dormant: no features tapped) at the first position handed over again.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from specstream.calibration import CostModel, throwaway_tables
-from specstream.spec_decode.draft_head import DraftHead, HeadError, check_fits, load_head, read_config
+from specstream.spec_decode.draft_head import DraftHead
+from specstream.spec_decode.head_files import load_for_target, resolve_head_dir
 from specstream.memory.kv import KVPool
 from specstream.spec_decode.head_tree import Node, keep_best, node_children, path_nodes
 from specstream.spec_decode.policy import ChainJudge, ChanceTrust, sampling_bucket, trusted
@@ -48,8 +48,6 @@ from specstream.sequence import Sequence
 
 logger = logging.getLogger("specstream.spec_decode.eagle")
 
-# Heads shipped inside the package, by bundled model alias.
-BUNDLED_HEADS = {"smollm2-135m": "smollm2-135m"}
 # Most head rows fed in one pass while catching up on a prompt.
 FEED_CHUNK = 256
 # Most target rows a sequence keeps waiting for the head (features of positions it has not fed), and how many of
@@ -58,49 +56,6 @@ MAX_WAITING = 2 * FEED_CHUNK
 KEPT_WAITING = FEED_CHUNK
 # A head tree's branching: each expanded node's likeliest children, and the nodes expanded per depth.
 TREE_WIDTH = 3
-
-
-def bundled_head_dir(model_name: str) -> Path | None:
-    name = BUNDLED_HEADS.get(model_name)
-    if name is None:
-        return None
-    path = Path(str(resources.files("specstream") / "heads" / name))
-    return path if (path / "config.json").is_file() else None
-
-
-def resolve_head_dir(draft_model: str | None, model_name: str) -> Path:
-    """The head directory to use: draft_model, else the head bundled for model_name."""
-    if draft_model:
-        return Path(draft_model).expanduser()
-    path = bundled_head_dir(model_name)
-    if path is None:
-        raise HeadError(
-            f"no draft head is bundled for '{model_name}'; train one with "
-            f"`specstream train-draft --model {model_name} --out DIR` and pass draft_model=DIR "
-            f"(--draft-model DIR)"
-        )
-    return path
-
-
-def load_for_target(head_dir: Path, target, target_name: str, dtype: torch.dtype, device) -> DraftHead:
-    """Load a head and check, at start-up, that it fits the target."""
-    check_fits(read_config(head_dir), target.config, str(head_dir), target_name)
-    return load_head(head_dir, target.get_input_embeddings().weight, dtype, device)
-
-
-def check_draft_head(model: str, draft_model: str | None, method: str = "eagle") -> None:
-    """Raise HeadError (a ValueError) unless the head that `method` would use fits the model:
-    cheap (reads two config files), so a server can check before it starts. With "auto", a
-    model with no head is fine (n-gram alone)."""
-    from transformers import AutoConfig
-
-    from specstream.model.loader import resolve_model
-
-    if method == "auto" and not draft_model and bundled_head_dir(model) is None:
-        return
-    head = resolve_head_dir(draft_model, model)
-    source = resolve_model(model)
-    check_fits(read_config(head), AutoConfig.from_pretrained(source.path, **source.kwargs), str(head), model)
 
 
 @dataclass
@@ -169,8 +124,9 @@ class EagleProposer(Proposer):
             # The first features may start past a prefix the target took from its cache.
             state = self._state[seq.request_id] = _HeadState(base=start)
         expected = state.base + state.fed + state.num_pending
-        if start > expected:
-            raise RuntimeError(f"draft head of {seq.request_id}: features from position {start}, expected {expected}")
+        if start > expected:  # features were not tapped for a while (auto's head dormant): start again here
+            self.pool.free(state.table)
+            state.base, state.fed, state.num_pending, expected = start, 0, 0, start
         if start + len(features) > expected:
             self._wait(state, features[expected - start :])
 
@@ -212,6 +168,13 @@ class EagleProposer(Proposer):
         state = self._state.pop(seq.request_id, None)
         if state is not None:
             self.pool.free(state.table)
+
+    def drop_states(self) -> None:
+        """Forget every sequence's head cache and waiting rows (auto, as its head goes dormant): a sequence's
+        state starts again from the next features it is handed."""
+        for state in self._state.values():
+            self.pool.free(state.table)
+        self._state.clear()
 
     # ------------------------------------------------------------------ drafting
     def catch_up_cost(self, seq: Sequence) -> float:
@@ -284,15 +247,18 @@ class EagleProposer(Proposer):
             factor = self._trust_now[key] = self.trust.factor(*key)
         return factor
 
-    def _ready(self, seq: Sequence, k: int) -> bool:
-        """Every row but the last has its features, and the pool holds the chain's rows."""
+    def ready(self, seq: Sequence) -> bool:
+        """Whether the head can draft for seq now: every row but the last has its features, some not fed yet."""
         state = self._state.get(seq.request_id)
-        if (
-            state is None
-            or state.base + state.fed + state.num_pending != len(seq.token_ids) - 1
-            or not state.num_pending
-        ):
+        if state is None or not state.num_pending:
             return False
+        return state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
+
+    def _ready(self, seq: Sequence, k: int) -> bool:
+        """ready, and the pool holds the chain's rows."""
+        if not self.ready(seq):
+            return False
+        state = self._state[seq.request_id]
         rows = self.width * max(k - 1, 0) if self._grows_tree(seq) else k - 1
         return self.pool.reserve(state.table, len(seq.token_ids) - state.base - 1 + rows)
 

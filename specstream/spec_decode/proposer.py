@@ -154,7 +154,8 @@ class Proposer:
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """The target is fed these prefill chunks (sequence, length) this step: a proposer
-        with a KV cache of its own feeds them too, so it never catches up a whole prompt at once."""
+        with a KV cache of its own feeds them too, so it never catches up a whole prompt at once.
+        The engine calls it once every step, before propose and before it reads aux_layers (chunks may be none)."""
 
     def pass_cost(self, num_seqs: int) -> float:
         """Seconds one drafting pass over num_seqs sequences costs (0 for free proposers)."""
@@ -198,7 +199,8 @@ class Proposer:
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """The target's aux hidden states [n, len(aux_layers) * hidden] of seq's positions
-        start .. start + n - 1, now final (prompt rows, or the accepted rows of a round)."""
+        start .. start + n - 1, now final (prompt rows, or the accepted rows of a round). Only in steps whose
+        aux_layers were not empty: a proposer whose aux_layers go empty for a while sees a gap in positions."""
 
     def calibrate(self, target_cost: CostModel, max_pass_tokens: int) -> None:
         """Measure what drafting costs here (pass_cost), given the target's forward-time curve."""
