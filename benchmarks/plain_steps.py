@@ -12,6 +12,11 @@ lengths; the plain steps' times do not.
 
     .venv/bin/python benchmarks/plain_steps.py --workload agent --streams 32 --temperature 0.7
     .venv/bin/python benchmarks/plain_steps.py --streams 32 --no-features   # auto without the head's features
+    .venv/bin/python benchmarks/plain_steps.py --streams 32 --conversations 64 --passes 2 --tap-blocks 4
+
+--tap-blocks N runs `auto` alone instead, its draft head's features computed in alternate blocks of N steps whatever
+its policy says (the head forgetting its rows each time they stop, as when auto puts it to sleep): what computing and
+handing over the features costs a plain step, both kinds of step timed in the same minutes.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from quant_forward import cpu_name  # noqa: E402
 from specstream import SamplingParams  # noqa: E402
 
 
-def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]], tapped: list[int]) -> None:
-    """Hook engine so that each step of decoding sequences alone with no draft appends (step, propose, forward)
-    seconds to into[batch], and each step counts in tapped: [steps whose forward computed a head's features, steps]."""
+def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float, bool]]], tapped: list[int]) -> None:
+    """Hook engine so that each step of decoding sequences alone with no draft appends (step, propose, forward
+    seconds, whether its forward computed a draft head's features) to into[batch], and each step counts in tapped:
+    [steps whose forward computed the features, steps]."""
     now: dict = {}
     propose, forward, pack, step = engine._propose, engine.runner.forward, engine._pack, engine.step
 
@@ -47,7 +53,8 @@ def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]], 
         started = time.perf_counter()
         out = forward(*args, **kwargs)
         now["forward"] = time.perf_counter() - started
-        tapped[0] += bool(args[1] if len(args) > 1 else kwargs.get("aux_layers"))
+        now["tapped"] = bool(args[1] if len(args) > 1 else kwargs.get("aux_layers"))
+        tapped[0] += now["tapped"]
         tapped[1] += 1
         return out
 
@@ -60,7 +67,7 @@ def time_plain_steps(engine, into: dict[int, list[tuple[float, float, float]]], 
         started = time.perf_counter()
         out = step()
         if now.get("batch") and not now["drafted"] and not now["prefill"]:
-            into[now["batch"]].append((time.perf_counter() - started, now["propose"], now["forward"]))
+            into[now["batch"]].append((time.perf_counter() - started, now["propose"], now["forward"], now["tapped"]))
         return out
 
     engine._propose, engine.runner.forward, engine._pack, engine.step = proposed, forwarded, packed, stepped
@@ -77,10 +84,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-features", action="store_true", help="auto without its draft head (nor its features)")
     p.add_argument("--min-steps", type=int, default=20, help="plain steps a batch size needs in both engines to be shown")
+    p.add_argument("--tap-blocks", type=int, default=0, help="auto alone, the head's features on and off by N steps")
     args = p.parse_args()
     convs = load_trace()[args.workload]
     if args.warm + args.conversations * args.passes > len(convs) or args.streams < 1 or args.passes < 1:
         raise SystemExit(f"the {args.workload} trace has {len(convs)} conversations; lower --warm, --conversations or --passes")
+    if args.tap_blocks > 0:
+        return tap_blocks(args, convs)
     engines = {method: build(method) for method in ("off", "auto")}
     if args.no_features:
         engines["auto"].proposer.head = None  # no head: no features computed or handed
@@ -104,16 +114,61 @@ def main() -> None:
     print(f"throughput auto{features} / off by pass: {' '.join(f'{r:.2f}' for r in ratios)}; "
           f"all passes {sum(rates['auto']) / sum(rates['off']):.2f}x; auto's steps with the head's features computed: "
           f"{tapped[0]} of {tapped[1]}")
-    print(f"\n| batch | off plain steps | off ms: step / propose / forward | auto{features} plain steps "
-          "| auto ms: step / propose / forward | auto / off, step |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| batch | off plain steps | off ms: step / propose / forward | auto{features} plain steps (features) "
+          "| auto ms: step / propose / forward | auto / off, step | auto's steps with / without features, step |")
+    print("|---|---|---|---|---|---|---|")
     for batch in sorted(set(steps["off"]) & set(steps["auto"])):
         off, auto = steps["off"][batch], steps["auto"][batch]
         if min(len(off), len(auto)) < args.min_steps:
             continue
         med = [[statistics.median(s[i] for s in v) * 1e3 for i in range(3)] for v in (off, auto)]
-        print(f"| {batch} | {len(off)} | {' / '.join(f'{x:.2f}' for x in med[0])} | {len(auto)} | "
-              f"{' / '.join(f'{x:.2f}' for x in med[1])} | {med[1][0] / med[0][0]:.3f}x |")
+        tap = [[s[0] for s in auto if s[3] == t] for t in (True, False)]
+        split = f"{statistics.median(tap[0]) / statistics.median(tap[1]):.3f}x" if min(map(len, tap)) >= 5 else "-"
+        print(f"| {batch} | {len(off)} | {' / '.join(f'{x:.2f}' for x in med[0])} | {len(auto)} ({len(tap[0])}) | "
+              f"{' / '.join(f'{x:.2f}' for x in med[1])} | {med[1][0] / med[0][0]:.3f}x | {split} |")
+    print(f"\nCPU: {cpu_name()}")
+
+
+def tap_blocks(args, convs) -> None:
+    """auto alone, its head's features computed in alternate blocks of args.tap_blocks steps: each batch's plain
+    steps with the features against those without."""
+    from specstream.spec_decode.auto import AutoProposer
+
+    engine = build("auto")
+    auto, on = engine.proposer, [True]
+    if auto.head is None:
+        raise SystemExit("auto has no draft head here: no features to tap")
+    layers, step, count = auto.head.aux_layers, engine.step, [0]
+    AutoProposer.aux_layers = property(lambda self: layers if on[0] else ())  # its policy's tap set aside
+
+    def stepped():
+        count[0] += 1
+        tap = (count[0] // args.tap_blocks) % 2 == 0
+        if on[0] and not tap:
+            auto.head.drop_states()  # as when auto puts its head to sleep
+        on[0] = tap
+        return step()
+
+    engine.step = stepped
+    converse_pool(engine, convs[: args.warm], args.streams, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    steps: dict[int, list] = defaultdict(list)
+    time_plain_steps(engine, steps, [0, 0])
+    for n in range(args.passes):
+        lo = args.warm + n * args.conversations
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=n)
+        converse_pool(engine, convs[lo : lo + args.conversations], args.streams, params)
+    print(f"\n{args.workload} x{args.streams} T={args.temperature}, {args.passes} passes of {args.conversations} "
+          f"conversations, auto's head features on and off by {args.tap_blocks} steps")
+    print("\n| batch | plain steps with / without features | ms with: step / forward | ms without: step / forward "
+          "| with / without, step |")
+    print("|---|---|---|---|---|")
+    for batch in sorted(steps):
+        both = [[s for s in steps[batch] if s[3] == t] for t in (True, False)]
+        if min(map(len, both)) < args.min_steps:
+            continue
+        med = [[statistics.median(s[i] for s in v) * 1e3 for i in (0, 2)] for v in both]
+        print(f"| {batch} | {len(both[0])} / {len(both[1])} | {med[0][0]:.2f} / {med[0][1]:.2f} | "
+              f"{med[1][0]:.2f} / {med[1][1]:.2f} | {med[0][0] / med[1][0]:.3f}x |")
     print(f"\nCPU: {cpu_name()}")
 
 

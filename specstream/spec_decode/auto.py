@@ -108,7 +108,7 @@ TRUST_DECAY = 0.995
 TRUST_RANGE = (0.5, 1.25)
 # The head's features are tapped from the target's forward (aux_layers) only while the head may be picked: for
 # TAP_LINGER steps after a sequence's head round last priced above plain decoding, before any catch-up.
-TAP_LINGER = 256
+TAP_LINGER = 64
 
 
 @dataclass
