@@ -265,6 +265,16 @@ def test_waiting_features_are_counted_and_hold_only_their_own_rows(trained, targ
             assert state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
 
 
+def head_drafting(target_dir, head_dir, chat, outputs: int = 4):
+    """An eagle engine's proposer, a greedy sequence `outputs` tokens into its answer, and its head state."""
+    engine = engine_for(target_dir, "eagle", head_dir, k=4)
+    seq = engine.prepare(chat, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    while seq.num_output_tokens < outputs:
+        engine.step()
+    return engine.proposer, seq, engine.proposer._state[seq.request_id]
+
+
 def test_a_head_that_waits_past_its_bound_keeps_the_newest_rows_and_drafts_as_one_fed_from_them(
     trained, target_dir, chats, monkeypatch
 ):
@@ -276,13 +286,7 @@ def test_a_head_that_waits_past_its_bound_keeps_the_newest_rows_and_drafts_as_on
 
     monkeypatch.setattr(eagle, "MAX_WAITING", 12)
     monkeypatch.setattr(eagle, "KEPT_WAITING", 5)
-    engine = engine_for(target_dir, "eagle", trained[0], k=4)
-    live = engine.proposer
-    seq = engine.prepare(chats[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
-    engine.submit(seq)
-    while seq.num_output_tokens < 4:
-        engine.step()
-    state = live._state[seq.request_id]
+    live, seq, state = head_drafting(target_dir, trained[0], chats[0])
     assert state.fed and state.table and state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
     width = state.waiting.shape[1]
     # 20 rows arrive while the head does not draft: 12 fit, so the newest 5 stay, the cache starts again at them
@@ -358,13 +362,7 @@ def test_auto_s_head_asleep_then_woken_drafts_from_the_features_since_and_output
 def test_a_gap_in_the_heads_features_starts_its_cache_again_at_the_new_rows(trained, target_dir, chats):
     """Features that stop for a while and come again (no tap in between) start the sequence's head cache at the
     first new position, its blocks handed back, rather than failing the sequence's drafting state."""
-    engine = engine_for(target_dir, "eagle", trained[0], k=4)
-    live = engine.proposer
-    seq = engine.prepare(chats[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    engine.submit(seq)
-    while seq.num_output_tokens < 4:
-        engine.step()
-    state = live._state[seq.request_id]
+    live, seq, state = head_drafting(target_dir, trained[0], chats[0])
     assert state.fed and state.table
     start, free = state.base + state.fed + state.num_pending + 3, live.pool.num_free_blocks
     rows = torch.ones(2, state.waiting.shape[1], dtype=state.waiting.dtype)
