@@ -385,9 +385,9 @@ class AutoProposer(Proposer):
         """The head's best step rate for seq, its length, and the catch-up it is priced with. A round priced above
         plain decoding before any catch-up keeps the head's features tapped (prefill); one for a sequence the head
         cannot draft for now (no features since the tap woke) is not picked."""
-        self._judged[bucket] = self._steps
         if self.head is None:
             return 0.0, 0, 0.0
+        self._judged[bucket] = self._steps
         rate, m = best_length(a, k, price, step)
         if rate <= plain:
             return rate, m, 0.0
