@@ -58,11 +58,12 @@ class Step(NamedTuple):
     preempted: int  # sequences preempted for KV space (their prompt and output prefilled again)
 
 
-def alternate(engine, block: int, log: list[Step]) -> None:
+def alternate(engine, block: int, log: list[Step], methods: dict[str, list[int]]) -> None:
     """Hook engine so that drafting runs only in some blocks of `block` steps, each block's kind drawn by a coin
     (seeded), and each step appends its Step to log. Not in strict turns: conversations that start together
     at many streams end their turns together, max_tokens steps later, and where that is a multiple of two blocks
-    every next turn's prompt would land in a block of the kind its first turn's did."""
+    every next turn's prompt would land in a block of the kind its first turn's did. methods[name] counts the
+    rounds each method drafted: [rounds, tokens drafted, accepted]."""
     from specstream.spec_decode.auto import AutoProposer
 
     policy, step, pack, forward, count, now = engine.scheduler.policy, engine.step, engine._pack, engine.runner.forward, [0], {}
@@ -91,6 +92,10 @@ def alternate(engine, block: int, log: list[Step]) -> None:
         started = time.perf_counter()
         out = step()
         seconds = time.perf_counter() - started
+        for c in out:
+            if c.method:
+                counts = methods.setdefault(c.method, [0, 0, 0])
+                counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + c.num_drafted, counts[2] + c.num_accepted
         if now:
             log.append(Step(drafting[0], now["batch"], now["prefill"], sum(len(c.token_ids) for c in out), seconds,
                             sum(c.num_drafted for c in out), sum(c.num_accepted for c in out), now.get("tapped", False),
@@ -143,7 +148,8 @@ def main() -> None:
     engine = build("auto")
     converse_pool(engine, convs[: args.warm], args.streams, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     log: list[Step] = []
-    alternate(engine, args.blocks, log)
+    methods: dict[str, list[int]] = {}
+    alternate(engine, args.blocks, log, methods)
     ends = []
     for n in range(args.passes):
         lo = args.warm + n * args.conversations
@@ -164,6 +170,7 @@ def main() -> None:
               f"{tokens / seconds:.1f} | {sum(s.drafted for s in ss)} / {sum(s.accepted for s in ss)} | "
               f"{sum(s.prefill for s in ss)}, {sum(s.prompt for s in ss)}, {sum(s.seconds for s in ss if s.prefill):.1f} | "
               f"{sum(s.tapped for s in ss)}, {sum(s.seconds for s in ss if s.tapped):.1f} | {sum(s.preempted for s in ss)} |")
+    print("\nrounds by method: " + ", ".join(f"{m} {r} ({d} drafted, {a} accepted)" for m, (r, d, a) in sorted(methods.items())))
     for name, measure in (("every step", ratio), ("decoding alone, batch by batch", decoding_ratio)):
         each = {k: " ".join(f"{measure(log[a:b]):.3f}" for a, b in v) for k, v in spans.items()}
         print(f"\nauto / plain, {name}: **{measure(log):.3f}x**; by pass {each['pass']}; by {args.parts} parts {each['part']}")
