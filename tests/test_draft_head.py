@@ -1041,9 +1041,9 @@ def test_auto_falls_back_to_the_ngram_match_when_the_heads_chain_declines():
 
 def test_auto_taps_the_heads_features_only_while_a_head_round_may_pay(monkeypatch):
     """The target computes the head's features (aux_layers) only while the head may be picked: for TAP_LINGER steps
-    after a head round last priced above plain decoding (the head cannot draft without them, so a round it is not
-    ready for keeps the tap on but is not picked), or when a prompt is prefilled of a sampling bucket never judged
-    or whose head contended when last judged. Going off, the head forgets its rows."""
+    after a head round last priced above plain decoding and the sequence's other drafts (the head cannot draft without
+    them, so a round it is not ready for keeps the tap on but is not picked), or when a prompt is prefilled of a
+    sampling bucket never judged or whose head contended when last judged. Going off, the head forgets its rows."""
     import specstream.spec_decode.auto as auto_module
     from specstream.calibration import CostModel
     from specstream.spec_decode.auto import AutoProposer
@@ -1087,6 +1087,24 @@ def test_auto_taps_the_heads_features_only_while_a_head_round_may_pay(monkeypatc
     assert auto.aux_layers == ()
     auto.prefill([(Sequence("g5", fresh, SamplingParams(temperature=0), arrival=0), 20)])
     assert auto.aux_layers == (0, 1)
+    # A head round above plain decoding but below the sequence's suffix draft would not be picked: the tap sleeps.
+    auto.suffix = _CertainSuffix()
+    asked = len(head.asked)
+    for _ in range(4):
+        auto.prefill([])
+        (draft,) = auto.propose([Sequence("g6", fresh, SamplingParams(temperature=0), arrival=0)], [4])
+        assert draft.method == "suffix"
+    assert auto.aux_layers == () and len(head.asked) == asked
+
+
+class _CertainSuffix:
+    """A suffix proposer whose drafts are sure to be kept: no head round prices above them."""
+
+    def draft(self, seq, k):
+        return Draft([7] * k, method="suffix", chances=[1.0] * k)
+
+    def release(self, seq):
+        pass
 
 
 def test_head_served_in_8_bit_blocks_drafts_as_the_dense_head_does(trained, target_dir):

@@ -26,8 +26,9 @@ while pays a pass over all of them before its first draft, its prompt's rows inc
 over the head rounds left in the request (it serves all of them) was tried and measured worse: the head's
 rounds came back and did not pay (README, the open-chat trace). The head's features cost every step's forward
 (three layers' rows gathered, handed to each sequence): they are computed only while a head round may be picked
-(prefill: for TAP_LINGER steps after one last priced above plain decoding, or for a prompt of a sampling bucket
-whose head did when last judged). Where none pays (many sampled streams), the head sleeps and forgets its rows.
+(prefill: for TAP_LINGER steps after one was last priced above plain decoding and the other methods' drafts, or
+for a prompt of a sampling bucket whose head was when last judged). Where none would be picked (many sampled
+streams; where n-gram and suffix drafts price higher), the head sleeps and forgets its rows.
 
 Where neither the suffix draft nor the head is picked, an n-gram match drafts as under method "ngram" (up to
 the k that the k policy, policy.KPolicy, granted from the sequence's own acceptance, charging auto's drafts no
@@ -107,7 +108,8 @@ TRUST_WEIGHT = 16.0
 TRUST_DECAY = 0.995
 TRUST_RANGE = (0.5, 1.25)
 # The head's features are tapped from the target's forward (aux_layers) only while the head may be picked: for
-# TAP_LINGER steps after a sequence's head round last priced above plain decoding, before any catch-up.
+# TAP_LINGER steps after a sequence's head round last priced above plain decoding and the sequence's other drafts,
+# before any catch-up.
 TAP_LINGER = 64
 
 
@@ -216,9 +218,9 @@ class AutoProposer(Proposer):
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """Once a step, before propose: the head's tap. It stays on for TAP_LINGER steps after a head round last
-        priced above plain decoding (propose), and wakes for a prompt of a sampling bucket whose head contended
+        priced above plain decoding and the sequence's other drafts (propose), and wakes for a prompt of a sampling bucket whose head contended
         when the bucket was last judged, or that was never judged, so that the head has the prompt's features.
-        Once it goes off (no head round pays: many sampled streams), the target's forward no longer computes
+        Once it goes off (no head round would be picked), the target's forward no longer computes
         the features nor hands them over, and the head forgets every sequence's rows; a sequence it drafts for
         after the tap wakes starts its head cache at the first features handed over again (less context for
         those drafts, never a different output)."""
@@ -333,12 +335,13 @@ class AutoProposer(Proposer):
                 ngram_rate = best_length(ngram_a, len(tokens), price, trust=trust)[0] if tokens else 0.0
                 tokens = self._judged_match(tokens, ngram_kind, bucket, ngram_rate > plain)
                 ngram_gain = expected_tokens(ngram_a, len(tokens)) - 1.0  # as priced, before the trust
-                head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
-                head_rate, head_m, catch_up = self._head_rate(seq, bucket, head_a, k, price, head_step, plain)
                 suffix_draft = self.suffix.draft(seq, k) if self.suffix is not None else Draft([])
                 factor = choice.suffix.factor(start=self.shared.prior("suffix", bucket, 1.0))
                 trusted = factor * self.gain_trust("suffix", bucket)
                 suffix_rate, suffix_m = best_cut(suffix_draft.chances, trusted, price) if suffix_draft.tokens else (0.0, 0)
+                head_a = choice.head.estimate(self.shared.prior("head", bucket, self.head_prior), PRIOR_WEIGHT)
+                best = max(plain, ngram_rate, suffix_rate if suffix_m else 0.0)
+                head_rate, head_m, catch_up = self._head_rate(seq, bucket, head_a, k, price, head_step, best)
                 if suffix_m and suffix_rate > max(plain, ngram_rate, head_rate):
                     drafts[i] = suffix_draft.cut(suffix_m)  # a tree's first m nodes: the likeliest m, grown best first
                     choice.last_method, choice.last_kind, choice.last_expected = "suffix", "suffix", sum(drafts[i].chances)
@@ -380,17 +383,18 @@ class AutoProposer(Proposer):
         return drafts
 
     def _head_rate(
-        self, seq: Sequence, bucket: str, a: float, k: int, price: StepPrice, step: float, plain: float
+        self, seq: Sequence, bucket: str, a: float, k: int, price: StepPrice, step: float, best: float
     ) -> tuple[float, int, float]:
-        """The head's best step rate for seq, its length, and the catch-up it is priced with. A round priced above
-        plain decoding before any catch-up keeps the head's features tapped (prefill); one for a sequence the head
-        cannot draft for now (no features since the tap woke) is not picked."""
+        """The head's best step rate for seq, its length, and the catch-up it is priced with. best is the best
+        rate of plain decoding and the other methods' drafts for seq. A head round priced above it before any
+        catch-up (one that would be picked) keeps the head's features tapped (prefill); one for a sequence the
+        head cannot draft for now (no features since the tap woke) is not picked."""
         if self.head is None:
             return 0.0, 0, 0.0
         self._judged[bucket] = self._steps
         rate, m = best_length(a, k, price, step)
-        if rate <= plain:
-            return rate, m, 0.0
+        if rate <= best:
+            return 0.0, 0, 0.0
         self._contended[bucket] = self._steps
         self._tap_until = self._steps + TAP_LINGER
         if not self.head.ready(seq):
