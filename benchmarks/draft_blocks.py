@@ -54,7 +54,6 @@ class Step(NamedTuple):
     accepted: int
     tapped: bool  # whether the forward computed the draft head's features
     prompt: int  # prompt tokens prefilled
-    rows: int  # draft rows verified
     preempted: int  # sequences preempted for KV space (their prompt and output prefilled again)
 
 
@@ -75,8 +74,7 @@ def alternate(engine, block: int, log: list[Step], methods: dict[str, list[int]]
     policy.choose = lambda seqs, base_tokens, budget: choose(seqs, base_tokens, budget) if drafting[0] else [0] * len(seqs)
 
     def packed(decodes, drafts, prefills):
-        now.update(batch=len(decodes), prefill=bool(prefills), prompt=sum(n for _, n in prefills),
-                   rows=sum(len(d.tokens) for d in drafts))
+        now.update(batch=len(decodes), prefill=bool(prefills), prompt=sum(n for _, n in prefills))
         return pack(decodes, drafts, prefills)
 
     def forwarded(*args, **kwargs):
@@ -99,7 +97,7 @@ def alternate(engine, block: int, log: list[Step], methods: dict[str, list[int]]
         if now:
             log.append(Step(drafting[0], now["batch"], now["prefill"], sum(len(c.token_ids) for c in out), seconds,
                             sum(c.num_drafted for c in out), sum(c.num_accepted for c in out), now.get("tapped", False),
-                            now["prompt"], now["rows"], engine.scheduler.num_preemptions - preempted))
+                            now["prompt"], engine.scheduler.num_preemptions - preempted))
         return out
 
     engine._pack, engine.step, engine.runner.forward = packed, stepped, forwarded
