@@ -122,9 +122,14 @@ def main() -> None:
     p.add_argument("--k", type=int, default=SpeculativeConfig().num_speculative_tokens, help="longest draft")
     p.add_argument("--suffix", nargs="+", default=["1:0.1", "2:0.1", "4:0.05"], help="max_spec_factor:min_token_prob")
     args = p.parse_args()
-    settings = [tuple(float(x) for x in s.split(":")) for s in args.suffix]
-    if any(len(s) != 2 for s in settings):
-        raise SystemExit("--suffix takes max_spec_factor:min_token_prob pairs, as 2:0.1")
+    try:
+        settings = [(float(f), float(m)) for f, m in (s.split(":") for s in args.suffix)]
+    except ValueError:
+        settings = []
+    if not settings or not all(0 < f <= 64 and 0 < m <= 1 for f, m in settings):
+        raise SystemExit("--suffix takes max_spec_factor:min_token_prob pairs, as 2:0.1 (factor above 0, min prob in (0, 1])")
+    if not 1 <= args.k <= 64 or min(args.warm, args.conversations) < 0 or args.conversations < 1:
+        raise SystemExit("--k takes 1 to 64; --warm at least 0 and --conversations at least 1")
     started = time.perf_counter()
     done = answers(args.workload, args.warm + args.conversations, args.max_tokens)
     first = sum(len(c.turns) for c in load_trace()[args.workload][: args.warm])  # the warm conversations' answers
