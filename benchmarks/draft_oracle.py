@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_hint import build, converse_pool  # noqa: E402
-from open_chat_trace import load_trace  # noqa: E402
+from open_chat_trace import Conversation, load_trace  # noqa: E402
 
 from specstream import SamplingParams  # noqa: E402
 from specstream.config import SpeculativeConfig  # noqa: E402
@@ -47,9 +47,8 @@ class Answer(NamedTuple):
     finish_reason: str
 
 
-def answers(workload: str, conversations: int, max_tokens: int) -> list[Answer]:
-    """Plain greedy decoding's answers to the trace's first conversations, in the order they ended (one stream:
-    the order they were asked)."""
+def answers(convs: list[Conversation], max_tokens: int) -> list[Answer]:
+    """Plain greedy decoding's answers to convs, in the order they ended (one stream: the order they were asked)."""
     engine = build("off")
     done: list[Answer] = []
     finish = engine._finish
@@ -59,7 +58,7 @@ def answers(workload: str, conversations: int, max_tokens: int) -> list[Answer]:
         finish(seq)
 
     engine._finish = finished
-    converse_pool(engine, load_trace()[workload][:conversations], 1, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    converse_pool(engine, convs, 1, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return done
 
 
@@ -131,8 +130,9 @@ def main() -> None:
     if not 1 <= args.k <= 64 or min(args.warm, args.conversations) < 0 or args.conversations < 1:
         raise SystemExit("--k takes 1 to 64; --warm at least 0 and --conversations at least 1")
     started = time.perf_counter()
-    done = answers(args.workload, args.warm + args.conversations, args.max_tokens)
-    first = sum(len(c.turns) for c in load_trace()[args.workload][: args.warm])  # the warm conversations' answers
+    convs = load_trace()[args.workload][: args.warm + args.conversations]
+    done = answers(convs, args.max_tokens)
+    first = sum(len(c.turns) for c in convs[: args.warm])  # the warm conversations' answers
     print(f"\n{args.workload}: {len(done) - first} answers ({sum(len(a.output) for a in done[first:])} tokens) after "
           f"{first} warm ones, plain greedy decoding in {time.perf_counter() - started:.0f} s; drafts up to {args.k}")
     print("\n| suffix factor : min prob | " + " | ".join(f"{name}: tokens a round" for name in PICKS)

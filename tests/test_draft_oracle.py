@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_module import load
 
 from specstream.kernels import suffix_tree
 from specstream.spec_decode.proposer import Draft
 
-_spec = importlib.util.spec_from_file_location("draft_oracle", Path(__file__).parents[1] / "benchmarks" / "draft_oracle.py")
-draft_oracle = sys.modules["draft_oracle"] = importlib.util.module_from_spec(_spec)  # its NamedTuples look it up there
-_path = list(sys.path)
-_spec.loader.exec_module(draft_oracle)
-sys.path[:] = _path  # the benchmarks' folder, which it puts first, shadows no test's imports
+draft_oracle = load("draft_oracle")
 Answer, PICKS = draft_oracle.Answer, draft_oracle.PICKS
 
 

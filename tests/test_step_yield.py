@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_module import load
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.spec_decode import policy
 
-_spec = importlib.util.spec_from_file_location("step_yield", Path(__file__).parents[1] / "benchmarks" / "step_yield.py")
-step_yield = sys.modules["step_yield"] = importlib.util.module_from_spec(_spec)  # its dataclass looks itself up there
-_path = list(sys.path)
-_spec.loader.exec_module(step_yield)
-sys.path[:] = _path  # the benchmarks' folder, which it puts first, shadows no test's imports
+step_yield = load("step_yield")
 Step = step_yield.Step
 
 
