@@ -106,6 +106,20 @@ def test_a_row_through_the_tiles_does_not_depend_on_the_rows_beside_it(amx):
         assert torch.equal(together[i], alone)
 
 
+@pytest.mark.parametrize("n,k", [(640, 1536), (1024, 576)])
+def test_past_16_rows_every_pass_reads_the_codes_the_first_one_unpacked(amx, n, k):
+    """Past 16 rows the tiles run in passes of 16 over a group of output tiles at a time, the first pass unpacking the
+    codes and the others reading them back (common.h's bf16_tile_passes): each row is the row its own 16-row pass
+    gives alone, bit for bit, across groups and threads (n: 40 and 64 tiles of outputs, several groups each)."""
+    p4, p8 = PackedQ4(q4_weights(n, k, seed=n), CPU), PackedInt8Blocks(q8_weights(n, k, seed=k), CPU)
+    for rows in (17, 31, 32, 40):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for run in (lambda v: q4(v, p4, AMX), lambda v: q8(v, p8, AMX)):
+            together = run(x)
+            passes = torch.cat([run(x[m0 : m0 + 16].contiguous()) for m0 in range(0, rows, 16)])
+            assert torch.equal(together, passes)
+
+
 def test_the_tiles_refuse_what_they_cannot_serve_with_a_clear_error(amx):
     p4, p8 = PackedQ4(q4_weights(32, 64, seed=5), CPU), PackedInt8Blocks(q8_weights(32, 64, seed=6), CPU)
     with pytest.raises(RuntimeError, match="AMX path needs bfloat16 x"):

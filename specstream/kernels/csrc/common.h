@@ -18,6 +18,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #endif
 
 namespace specstream_kernels {
@@ -112,32 +114,64 @@ struct DotBf16 {
 // fill_b(g, buf) writes block g's B tile (its 16 code-pair vectors, 1 KiB), TDPBF16PS multiplies the rows' 32 values
 // into 16 x 16 float32 sums, and epilogue(sums, g) applies block g's scales to them (tile_blocks). The caller
 // configured the tiles (configure_bf16_tiles(rows)).
+// kept: where not null, the tile's B for every block (k / 32 blocks of 512 bfloat16 bits, 64-byte aligned), which
+// fill_b fills where `fill` (the first pass of rows over the tile) and a later pass reads as it was left, so that the
+// codes are read and unpacked once for all the passes (bf16_tile_passes); null: B goes through the scratch blocks.
 template <typename FillB, typename Epilogue>
-inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue) {
+inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue, uint16_t* kept = nullptr,
+                             bool fill = true) {
   tile_blocks<DotBf16, float>(
       k / 32, k * static_cast<int64_t>(sizeof(uint16_t)), [&](int64_t g) { return x + g * 32; },
       [&](int64_t g, uint8_t* scratch) -> const void* {
-        fill_b(g, reinterpret_cast<uint16_t*>(scratch));
-        return scratch;
+        uint16_t* b = kept != nullptr ? kept + g * 512 : reinterpret_cast<uint16_t*>(scratch);
+        if (kept == nullptr || fill) fill_b(g, b);
+        return b;
       },
       epilogue);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The unpacked B a thread keeps for the passes over its tiles (bf16_tile_passes): a few tiles' worth, so that they stay
+// in the core's L2 while every pass reads them.
+constexpr int64_t kKeptBytes = 256 * 1024;
+
 // y [m_rows, 16 * tiles] (row stride n) through AMX-BF16 tiles: every tile of outputs against the rows in passes of up
-// to 16, tile(t, m0, rows, out) leaving pass m0's sums of tile t in out, stored to y (each rounded once to T). Tile
-// state is per thread, and other libraries on these threads (oneDNN) configure it for themselves: the tiles are
-// configured for each pass and released after it.
+// to 16, tile(t, m0, rows, out, kept, fill) leaving pass m0's sums of tile t in out, stored to y (each rounded once to
+// T); kept and fill go to bf16_tile_blocks. Past 16 rows each thread takes its tiles a group at a time (as many as
+// kKeptBytes of unpacked B hold, k inputs each) and runs every pass over the group, the first one unpacking the
+// codes into `kept` and the others reading them there: the weights are read and unpacked once for all the rows, and
+// a second pass costs the tiles' own work, not a second read and unpacking of every weight. A row's sums are the same either way
+// (the same B, the same order). Tile state is per thread, and other libraries on these threads (oneDNN) configure
+// it for themselves: the tiles are configured for each run of passes of one height and released after them.
 template <typename T, typename Tile>
-inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, T* y, Tile&& tile) {
+inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, int64_t k, T* y, Tile&& tile) {
+  const int64_t tile_bytes = (k / 32) * 1024;
+  const int64_t group = m_rows > 16 ? std::max<int64_t>(1, kKeptBytes / tile_bytes) : 0;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     __m512 out[16];
-    for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, m_rows - m0);
-      configure_bf16_tiles(rows);
+    if (group == 0) {
+      configure_bf16_tiles(m_rows);
       for (int64_t t = begin; t < end; ++t) {
-        tile(t, m0, rows, out);
-        for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n + t * 16, out[r]);
+        tile(t, int64_t{0}, m_rows, out, static_cast<uint16_t*>(nullptr), true);
+        for (int64_t r = 0; r < m_rows; ++r) store_tile(y + r * n + t * 16, out[r]);
+      }
+      _tile_release();
+      return;
+    }
+    const std::unique_ptr<uint16_t, decltype(&std::free)> owned(
+        static_cast<uint16_t*>(std::aligned_alloc(64, std::min(group, end - begin) * tile_bytes)), &std::free);
+    uint16_t* kept = owned.get();
+    TORCH_CHECK(kept != nullptr, "bf16_tile_passes: out of memory");
+    for (int64_t t0 = begin; t0 < end; t0 += group) {
+      const int64_t t1 = std::min(end, t0 + group);
+      int64_t configured = 0;
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m_rows - m0);
+        if (rows != configured) configure_bf16_tiles(configured = rows);
+        for (int64_t t = t0; t < t1; ++t) {
+          tile(t, m0, rows, out, kept + (t - t0) * (tile_bytes / 2), m0 == 0);
+          for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n + t * 16, out[r]);
+        }
       }
       _tile_release();
     }

@@ -183,9 +183,10 @@ inline void b_tile(const uint8_t* cg, uint16_t* buf) {
 }
 
 // rows <= 16 rows of x (bfloat16 bits, row stride k) against one tile; the caller configured the tiles for `rows`.
+// kept, fill: the tile's unpacked codes kept across passes (common.h's bf16_tile_blocks).
 template <typename S>
 void amx_tile(const uint16_t* x, const float* xsum, int64_t k, int64_t rows, const uint8_t* codes, const S* scales,
-              const S* mins, __m512* out) {
+              const S* mins, __m512* out, uint16_t* kept, bool fill) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_setzero_ps();
   specstream_kernels::bf16_tile_blocks(
@@ -197,7 +198,8 @@ void amx_tile(const uint16_t* x, const float* xsum, int64_t k, int64_t rows, con
           out[r] = _mm512_fmadd_ps(d, _mm512_load_ps(c + r * 16), out[r]);
           out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * blocks + g]), out[r]);
         }
-      });
+      },
+      kept, fill);
 }
 
 #endif
@@ -230,9 +232,10 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
   const float* xsum = xsums.data();
 #if defined(SPECSTREAM_Q4_AMX)
   if (path == kAmx) {
-    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out) {
+    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out,
+                                                                   uint16_t* kept, bool fill) {
       amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
-               mins + t * blocks * kTile, out);
+               mins + t * blocks * kTile, out, kept, fill);
     });
     return;
   }

@@ -162,14 +162,17 @@ inline void b_tile(const int8_t* cg, uint16_t* buf) {
 }
 
 // rows <= 16 rows of x (bfloat16 bits, row stride k) against one tile; the caller configured the tiles for `rows`.
-void amx_tile(const uint16_t* x, int64_t k, int64_t rows, const int8_t* codes, const float* scales, __m512* out) {
+// kept, fill: the tile's widened codes kept across passes (common.h's bf16_tile_blocks).
+void amx_tile(const uint16_t* x, int64_t k, int64_t rows, const int8_t* codes, const float* scales, __m512* out,
+              uint16_t* kept, bool fill) {
   for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_setzero_ps();
   specstream_kernels::bf16_tile_blocks(
       x, k, [&](int64_t g, uint16_t* buf) { b_tile(codes + g * kBlock * kTile, buf); },
       [&](const float* c, int64_t g) {
         const __m512 d = _mm512_loadu_ps(scales + g * kTile);
         for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_fmadd_ps(d, _mm512_load_ps(c + r * 16), out[r]);
-      });
+      },
+      kept, fill);
 }
 
 #endif
@@ -215,8 +218,9 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
   const int64_t tiles = n_rows / kTile, blocks = k / G;
 #if defined(SPECSTREAM_Q8_AMX)
   if (path == kAmx) {
-    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out) {
-      amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out);
+    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out,
+                                                                   uint16_t* kept, bool fill) {
+      amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out, kept, fill);
     });
     return;
   }
