@@ -1097,6 +1097,38 @@ def test_auto_taps_the_heads_features_only_while_a_head_round_may_pay(monkeypatc
     assert auto.aux_layers == () and len(head.asked) == asked
 
 
+def test_a_head_priced_out_by_its_catch_up_lets_the_tap_sleep(monkeypatch):
+    """A head round priced above plain decoding only before its catch-up (the rows it has not fed) is not picked
+    and does not keep the head's features tapped: with the tap on and the head never picked, those rows pile up and
+    price it out for good. Once the tap sleeps and the head forgets them, a round priced above plain decoding for a
+    sequence it has no features for wakes the tap, and the head, starting with nothing to catch up, is picked."""
+    import specstream.spec_decode.auto as auto_module
+    from specstream.calibration import CostModel
+    from specstream.spec_decode.auto import AutoProposer
+    from specstream.spec_decode.ngram import NgramProposer
+
+    monkeypatch.setattr(auto_module, "TAP_LINGER", 3)
+    head = _StubHead(0.0)
+    head.aux_layers = (0, 1)
+    head.pending_seconds = 0.05  # five plain steps' worth of rows to feed before its first draft
+    auto = AutoProposer(head, NgramProposer(1, 4), head_prior=0.95)
+    auto.target_cost = CostModel([1, 9], [0.010, 0.012])
+    seq = Sequence("g", list(range(40, 60)), SamplingParams(temperature=0), arrival=0)
+    for _ in range(4):
+        auto.prefill([])
+        (draft,) = auto.propose([seq], [4])
+        assert not draft.tokens
+    assert auto.aux_layers == () and head.dropped == 1 and head.asked == []
+    head.can_draft, head.pending_seconds = False, 0.0  # asleep, the head forgot the sequence's rows
+    auto.prefill([])
+    auto.propose([seq], [4])
+    assert auto.aux_layers == (0, 1) and head.asked == []
+    head.can_draft = True
+    auto.prefill([])
+    (draft,) = auto.propose([seq], [4])
+    assert len(head.asked) == 1 and draft.method == "head" and auto.aux_layers == (0, 1)
+
+
 class _CertainSuffix:
     """A suffix proposer whose drafts are sure to be kept: no head round prices above them."""
 

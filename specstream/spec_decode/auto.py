@@ -108,8 +108,8 @@ TRUST_WEIGHT = 16.0
 TRUST_DECAY = 0.995
 TRUST_RANGE = (0.5, 1.25)
 # The head's features are tapped from the target's forward (aux_layers) only while the head may be picked: for
-# TAP_LINGER steps after a sequence's head round last priced above plain decoding and the sequence's other drafts,
-# before any catch-up.
+# TAP_LINGER steps after a sequence's head round was last priced above plain decoding and the sequence's other drafts,
+# its catch-up included (AutoProposer._head_rate).
 TAP_LINGER = 64
 
 
@@ -218,9 +218,9 @@ class AutoProposer(Proposer):
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """Once a step, before propose: the head's tap. It stays on for TAP_LINGER steps after a head round last
-        priced above plain decoding and the sequence's other drafts (propose), and wakes for a prompt of a sampling
-        bucket whose head contended when the bucket was last judged, or that was never judged, so that the head
-        has the prompt's features. Once it goes off (no head round would be picked), the target's forward no
+        priced above plain decoding and the sequence's other drafts, its catch-up included (_head_rate), and wakes
+        for a prompt of a sampling bucket whose head contended when the bucket was last judged, or that was never
+        judged, so that the head has the prompt's features. Once it goes off (no head round would be picked), the target's forward no
         longer computes the features nor hands them over, and the head forgets every sequence's rows; a sequence
         it drafts for after the tap wakes starts its head cache at the first features handed over again (less
         context for those drafts, never a different output)."""
@@ -386,21 +386,32 @@ class AutoProposer(Proposer):
         self, seq: Sequence, bucket: str, a: float, k: int, price: StepPrice, step: float, best: float
     ) -> tuple[float, int, float]:
         """The head's best step rate for seq, its length, and the catch-up it is priced with. best is the best
-        rate of plain decoding and the other methods' drafts for seq. A head round priced above it before any
-        catch-up (one that would be picked) keeps the head's features tapped (prefill); one for a sequence the
-        head cannot draft for now (no features since the tap woke) is not picked."""
+        rate of plain decoding and the other methods' drafts for seq. A head round that would be picked (priced
+        above best with its catch-up) keeps the head's features tapped (prefill), and so does one priced above best
+        for a sequence the head cannot draft for now (no features since the tap woke: it starts with none to catch
+        up), which is not picked. One priced above best only before its catch-up does not: while the tap stays on
+        and the head is not picked, the rows it has not fed pile up and price it out for good; once the tap sleeps,
+        the head forgets them, and a later round starts from the features handed over after it wakes."""
         if self.head is None:
             return 0.0, 0, 0.0
         self._judged[bucket] = self._steps
         rate, m = best_length(a, k, price, step)
         if rate <= best:
             return 0.0, 0, 0.0
-        self._contended[bucket] = self._steps
-        self._tap_until = self._steps + TAP_LINGER
         if not self.head.ready(seq):
+            self._contend(bucket)
             return 0.0, 0, 0.0
         catch_up = self.head.catch_up_cost(seq)
-        return (*best_length(a, k, price, step, catch_up), catch_up) if catch_up > 0 else (rate, m, 0.0)
+        if catch_up > 0:
+            rate, m = best_length(a, k, price, step, catch_up)
+        if rate > best:
+            self._contend(bucket)
+        return rate, m, catch_up
+
+    def _contend(self, bucket: str) -> None:
+        """A head round of bucket would pay: its features stay tapped for TAP_LINGER steps."""
+        self._contended[bucket] = self._steps
+        self._tap_until = self._steps + TAP_LINGER
 
     def _head_step_cost(self) -> float:
         return self.head.pass_cost(1) if self.head is not None else 0.0
