@@ -1,9 +1,9 @@
 """Forward time of the lean forward per quantization mode, side by side in one process (ABBA order),
 at the step shapes that matter: a decode step (1 row), a verification (9 or 16 rows), a batch of 8 decodes
-(8 rows), 8 streams verifying 2 drafts each (24 rows: past one pass of 16 AMX tile rows), a prefill chunk (256 rows), each over a 256-token context (--context). As the engine packs them,
-decode and verification rows all take logits (the LM head runs at every row), a prefill chunk at its last row
-only. Each shape runs --lead-in untimed steps (default 8), then --timed timed ones, one after another, as a
-server decoding or verifying steadily runs them; the table gives each shape's median step and the ratios of
+(8 rows), 8 streams verifying 2 drafts each (24 rows: past one pass of 16 AMX tile rows), a prefill chunk (256
+rows), each over a 256-token context (--context). As the engine packs them, decode and verification rows all take
+logits (the LM head runs at every row), a prefill chunk at its last row only. Each shape runs --lead-in untimed
+steps (default 8), then --timed timed ones, one after another, as a server decoding or verifying steadily runs them; the table gives each shape's median step and the ratios of
 the medians (the fastest step in brackets). A step right after another shape's is slower than in a steady run:
 on a 2-core Xeon with AMX a decode step took 8.8-8.9 ms right after a 256-row prefill chunk and 6.3-7.6 ms
 from the sixth decode step on.

@@ -220,10 +220,10 @@ class AutoProposer(Proposer):
         """Once a step, before propose: the head's tap. It stays on for TAP_LINGER steps after a head round last
         priced above plain decoding and the sequence's other drafts, its catch-up included (_head_rate), and wakes
         for a prompt of a sampling bucket whose head contended when the bucket was last judged, or that was never
-        judged, so that the head has the prompt's features. Once it goes off (no head round would be picked), the target's forward no
-        longer computes the features nor hands them over, and the head forgets every sequence's rows; a sequence
-        it drafts for after the tap wakes starts its head cache at the first features handed over again (less
-        context for those drafts, never a different output)."""
+        judged, so that the head has the prompt's features. Once it goes off (no head round would be picked), the
+        target's forward no longer computes the features nor hands them over, and the head forgets every sequence's
+        rows; a sequence it drafts for after the tap wakes starts its head cache at the first features handed over
+        again (less context for those drafts, never a different output)."""
         self._steps += 1
         if self.head is None:
             return

@@ -118,8 +118,8 @@ struct DotBf16 {
 // fill_b fills where `fill` (the first pass of rows over the tile) and a later pass reads as it was left, so that the
 // codes are read and unpacked once for all the passes (bf16_tile_passes); null: B goes through the scratch blocks.
 template <typename FillB, typename Epilogue>
-inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue, uint16_t* kept = nullptr,
-                             bool fill = true) {
+inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilogue&& epilogue,
+                             uint16_t* kept = nullptr, bool fill = true) {
   tile_blocks<DotBf16, float>(
       k / 32, k * static_cast<int64_t>(sizeof(uint16_t)), [&](int64_t g) { return x + g * 32; },
       [&](int64_t g, uint8_t* scratch) -> const void* {
@@ -140,9 +140,10 @@ constexpr int64_t kKeptBytes = 256 * 1024;
 // T); kept and fill go to bf16_tile_blocks. Past 16 rows each thread takes its tiles a group at a time (as many as
 // kKeptBytes of unpacked B hold, k inputs each) and runs every pass over the group, the first one unpacking the
 // codes into `kept` and the others reading them there: the weights are read and unpacked once for all the rows, and
-// a second pass costs the tiles' own work, not a second read and unpacking of every weight. A row's sums are the same either way
-// (the same B, the same order). Tile state is per thread, and other libraries on these threads (oneDNN) configure
-// it for themselves: the tiles are configured for each run of passes of one height and released after them.
+// a second pass costs the tiles' own work, not a second read and unpacking of every weight. A row's sums are the
+// same either way (the same B, the same order). Tile state is per thread, and other libraries on these threads
+// (oneDNN) configure it for themselves: the tiles are configured for each run of passes of one height and released
+// after them.
 template <typename T, typename Tile>
 inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, int64_t k, T* y, Tile&& tile) {
   const int64_t tile_bytes = (k / 32) * 1024;

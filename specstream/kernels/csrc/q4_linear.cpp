@@ -232,11 +232,11 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
   const float* xsum = xsums.data();
 #if defined(SPECSTREAM_Q4_AMX)
   if (path == kAmx) {
-    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out,
-                                                                   uint16_t* kept, bool fill) {
-      amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
-               mins + t * blocks * kTile, out, kept, fill);
-    });
+    specstream_kernels::bf16_tile_passes(
+        tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out, uint16_t* kept, bool fill) {
+          amx_tile(xb + m0 * k, xsum + m0 * blocks, k, rows, codes + t * (k / 2) * kTile, scales + t * blocks * kTile,
+                   mins + t * blocks * kTile, out, kept, fill);
+        });
     return;
   }
 #endif

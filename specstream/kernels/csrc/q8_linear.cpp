@@ -218,10 +218,10 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
   const int64_t tiles = n_rows / kTile, blocks = k / G;
 #if defined(SPECSTREAM_Q8_AMX)
   if (path == kAmx) {
-    specstream_kernels::bf16_tile_passes(tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out,
-                                                                   uint16_t* kept, bool fill) {
-      amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out, kept, fill);
-    });
+    specstream_kernels::bf16_tile_passes(
+        tiles, m_rows, n_rows, k, y, [&](int64_t t, int64_t m0, int64_t rows, __m512* out, uint16_t* kept, bool fill) {
+          amx_tile(xb + m0 * k, k, rows, codes + t * (k / 2) * 2 * kTile, scales + t * blocks * kTile, out, kept, fill);
+        });
     return;
   }
 #endif
