@@ -168,6 +168,20 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(paths, dtype, kind)
     assert torch.equal(a8(x.flip(0), packed).flip(0), alone)  # other neighbours, other positions
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_past_16_rows_the_tiles_unpack_each_weight_once_and_give_the_same_bits(paths, kind):
+    """Past 16 rows of 4-bit codes the AMX path runs every pass of 16 rows over a group of output tiles, the first pass
+    unpacking the codes and the others reading them back: the same bits as every other path, across groups and threads
+    (64 tiles of outputs over 48 blocks: 10 tiles a group)."""
+    n, k = 1024, 1536
+    packed = PackedA8(realistic(n, k, kind, seed=8), CPU)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    outs = {p: a8(x, packed, p) for p in paths}
+    first = outs[paths[0]]
+    assert all(torch.equal(o, first) for o in outs.values()), [p for p, o in outs.items() if not torch.equal(o, first)]
+    assert torch.equal(first[17:33], a8(x[17:33], packed))  # rows 17-32 alone, one pass of 16
+
+
 def test_the_dispatcher_lists_what_this_cpu_has_and_refuses_the_rest(paths):
     flags = set(Path("/proc/cpuinfo").read_text().split()) if os.path.exists("/proc/cpuinfo") else set()
     assert 0 in paths and set(paths) <= set(PATHS)
