@@ -40,9 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -459,8 +457,8 @@ struct DotInt8 {  // common.h's tile_blocks
   static void second() { _tile_dpbsud(1, 3, 5); }
 };
 
-// rows <= 16; the caller configured the tiles for `rows`. kept: where not null, tile t's unpacked 4-bit codes (512 bytes
-// a block, 64-byte aligned), unpacked into it where `fill` (the first pass of rows) and read back by the later passes.
+// rows <= 16; the caller configured the tiles for `rows`. kept: where not null, tile t's unpacked 4-bit codes (512
+// bytes a block, 64-byte aligned), unpacked into it where `fill` (the first pass of rows) and read back by the others.
 void amx_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t rows, float* out, uint8_t* kept = nullptr,
               bool fill = true) {
   __m512 acc[16];
@@ -481,38 +479,19 @@ void amx_tile(const Acts& a, const Weights& w, int64_t t, int64_t r0, int64_t ro
   for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 
-// The unpacked codes a thread keeps for the passes over its tiles (amx_passes), as common.h's bf16_tile_passes keeps.
-constexpr int64_t kKeptBytes = 256 * 1024;
-
-// Past 16 rows with 4-bit codes (a prefill chunk, a step of many streams' verifications): each thread takes its tiles
-// a group at a time (as many as kKeptBytes of unpacked codes hold) and runs every pass of 16 rows over the group, the
-// first pass unpacking each block's codes into `kept` and the others reading them there, rather than unpacking every
-// weight again in each pass. A row's sums are the same (the same codes, the same order). 8-bit codes are read in
-// place, with nothing to keep.
+// Past 16 rows with 4-bit codes (a prefill chunk, a step of many streams' verifications): common.h's
+// kept_tile_passes, each block's codes unpacked once for every pass of 16 rows rather than again in each. A row's sums
+// are the same (the same codes, the same order). 8-bit codes are read in place, with nothing to keep.
 template <typename T>
 void amx_passes(const Acts& a, const Weights& w, T* y) {
-  const int64_t tiles = w.n / kTile, tile_bytes = w.blocks * 512;
-  const int64_t group = std::max<int64_t>(1, kKeptBytes / tile_bytes);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, w.n / kTile, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[16 * kTile];
-    const std::unique_ptr<uint8_t, decltype(&std::free)> owned(
-        static_cast<uint8_t*>(std::aligned_alloc(64, std::min(group, end - begin) * tile_bytes)), &std::free);
-    uint8_t* kept = owned.get();
-    TORCH_CHECK(kept != nullptr, "a8_linear: out of memory");
-    for (int64_t t0 = begin; t0 < end; t0 += group) {
-      const int64_t t1 = std::min(end, t0 + group);
-      int64_t configured = 0;
-      for (int64_t r0 = 0; r0 < a.m; r0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, a.m - r0);
-        if (rows != configured) configure_tiles(configured = rows);
-        for (int64_t t = t0; t < t1; ++t) {
-          amx_tile(a, w, t, r0, rows, out, kept + (t - t0) * tile_bytes, r0 == 0);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < kTile; ++i) y[(r0 + r) * w.n + t * kTile + i] = static_cast<T>(out[r * kTile + i]);
-        }
-      }
-      _tile_release();
-    }
+    auto pass = [&](int64_t t, int64_t r0, int64_t rows, uint8_t* kept, bool fill) {
+      amx_tile(a, w, t, r0, rows, out, kept, fill);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < kTile; ++i) y[(r0 + r) * w.n + t * kTile + i] = static_cast<T>(out[r * kTile + i]);
+    };
+    specstream_kernels::kept_tile_passes(begin, end, a.m, w.blocks * 512, configure_tiles, pass);
   });
 }
 

@@ -104,6 +104,38 @@ inline void tile_blocks(int64_t blocks, int64_t stride, AAt&& a_at, FillB&& fill
   }
 }
 
+// The unpacked weights a thread keeps for its passes over a group of tiles (kept_tile_passes): a few tiles' worth, so
+// that they stay in the core's L2 while every pass reads them.
+constexpr int64_t kKeptBytes = 256 * 1024;
+
+// One thread's tiles begin .. end against m_rows rows (more than 16) in passes of up to 16, a group of tiles at a time
+// (as many as kKeptBytes of unpacked weights hold, tile_bytes a tile): configure(rows) sets the tiles up for a pass of
+// `rows`, and pass(t, m0, rows, kept, fill) runs pass m0 over tile t, `kept` its tile's unpacked weights (64-byte
+// aligned), to be filled where `fill` (the group's first pass) and read back by the other passes. The weights are
+// then read and unpacked once for all the rows, and a second pass costs the tiles' own work, not a second read and
+// unpacking of every weight. Tile state is per thread, and other libraries on these threads (oneDNN) configure it
+// for themselves: the tiles are configured for each run of passes of one height and released after each group.
+template <typename Configure, typename Pass>
+inline void kept_tile_passes(int64_t begin, int64_t end, int64_t m_rows, int64_t tile_bytes, Configure&& configure,
+                             Pass&& pass) {
+  if (begin >= end) return;
+  const int64_t group = std::max<int64_t>(1, kKeptBytes / tile_bytes);
+  const std::unique_ptr<uint8_t, decltype(&std::free)> owned(
+      static_cast<uint8_t*>(std::aligned_alloc(64, std::min(group, end - begin) * tile_bytes)), &std::free);
+  uint8_t* kept = owned.get();
+  TORCH_CHECK(kept != nullptr, "kept_tile_passes: out of memory");
+  for (int64_t t0 = begin; t0 < end; t0 += group) {
+    const int64_t t1 = std::min(end, t0 + group);
+    int64_t configured = 0;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, m_rows - m0);
+      if (rows != configured) configure(configured = rows);
+      for (int64_t t = t0; t < t1; ++t) pass(t, m0, rows, kept + (t - t0) * tile_bytes, m0 == 0);
+    }
+    _tile_release();
+  }
+}
+
 #if defined(__AMX_BF16__)
 struct DotBf16 {
   static void first() { _tile_dpbf16ps(0, 2, 4); }
@@ -131,26 +163,17 @@ inline void bf16_tile_blocks(const uint16_t* x, int64_t k, FillB&& fill_b, Epilo
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The unpacked B a thread keeps for the passes over its tiles (bf16_tile_passes): a few tiles' worth, so that they stay
-// in the core's L2 while every pass reads them.
-constexpr int64_t kKeptBytes = 256 * 1024;
-
 // y [m_rows, 16 * tiles] (row stride n) through AMX-BF16 tiles: every tile of outputs against the rows in passes of up
 // to 16, tile(t, m0, rows, out, kept, fill) leaving pass m0's sums of tile t in out, stored to y (each rounded once to
-// T); kept and fill go to bf16_tile_blocks. Past 16 rows each thread takes its tiles a group at a time (as many as
-// kKeptBytes of unpacked B hold, k inputs each) and runs every pass over the group, the first one unpacking the
-// codes into `kept` and the others reading them there: the weights are read and unpacked once for all the rows, and
-// a second pass costs the tiles' own work, not a second read and unpacking of every weight. A row's sums are the
-// same either way (the same B, the same order). Tile state is per thread, and other libraries on these threads
-// (oneDNN) configure it for themselves: the tiles are configured for each run of passes of one height and released
-// after them.
+// T); kept and fill go to bf16_tile_blocks. Up to 16 rows, one pass over every tile; past 16, kept_tile_passes: each
+// weight unpacked once for every pass. A row's sums are the same either way (the same B, the same order). Tile state
+// is per thread, and other libraries on these threads (oneDNN) configure it for themselves: the tiles are configured
+// here and released after the passes.
 template <typename T, typename Tile>
 inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, int64_t k, T* y, Tile&& tile) {
-  const int64_t tile_bytes = (k / 32) * 1024;
-  const int64_t group = m_rows > 16 ? std::max<int64_t>(1, kKeptBytes / tile_bytes) : 0;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     __m512 out[16];
-    if (group == 0) {
+    if (m_rows <= 16) {
       configure_bf16_tiles(m_rows);
       for (int64_t t = begin; t < end; ++t) {
         tile(t, int64_t{0}, m_rows, out, static_cast<uint16_t*>(nullptr), true);
@@ -159,23 +182,11 @@ inline void bf16_tile_passes(int64_t tiles, int64_t m_rows, int64_t n, int64_t k
       _tile_release();
       return;
     }
-    const std::unique_ptr<uint16_t, decltype(&std::free)> owned(
-        static_cast<uint16_t*>(std::aligned_alloc(64, std::min(group, end - begin) * tile_bytes)), &std::free);
-    uint16_t* kept = owned.get();
-    TORCH_CHECK(kept != nullptr, "bf16_tile_passes: out of memory");
-    for (int64_t t0 = begin; t0 < end; t0 += group) {
-      const int64_t t1 = std::min(end, t0 + group);
-      int64_t configured = 0;
-      for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, m_rows - m0);
-        if (rows != configured) configure_bf16_tiles(configured = rows);
-        for (int64_t t = t0; t < t1; ++t) {
-          tile(t, m0, rows, out, kept + (t - t0) * (tile_bytes / 2), m0 == 0);
-          for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n + t * 16, out[r]);
-        }
-      }
-      _tile_release();
-    }
+    kept_tile_passes(begin, end, m_rows, (k / 32) * 1024, configure_bf16_tiles,
+                     [&](int64_t t, int64_t m0, int64_t rows, uint8_t* kept, bool fill) {
+                       tile(t, m0, rows, out, reinterpret_cast<uint16_t*>(kept), fill);
+                       for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n + t * 16, out[r]);
+                     });
   });
 }
 #endif
