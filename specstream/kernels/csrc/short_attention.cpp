@@ -12,10 +12,9 @@
 //
 // With AVX-512 and a head dimension of 64 (the bundled model's), the queries that read the same keys (a
 // key/value head's query heads, for each of a sequence's rows) share one pass over them, a few at a time:
-// each key and value is read once per pass, each query's scores come 16 keys at a time, and bfloat16
-// keys, queries, probabilities and values multiply as bfloat16 pairs (VDPBF16PS) where the CPU has it.
-// Measured with 2 threads over 1024 keys: a decode step's attention 71 -> 54 us a layer, a verification
-// of 9 rows 448 -> 210 us (benchmarks/cpu_kernels.py).
+// each key and value is read once per pass, and each query's scores come 16 keys at a time. bfloat16 keys,
+// queries, probabilities and values multiply as bfloat16 pairs (VDPBF16PS) where the CPU has it, from one
+// sequence's keys and values laid out once for all the queries of theirs a thread takes (attend_pairs).
 //
 // Where the CPU has AMX-BF16, bfloat16 with a head dimension of 64 takes tiles instead (attend_tiles): up to 16
 // queries of a key/value head share each tile multiply, for the scores and for the sum over the values. It
@@ -213,10 +212,45 @@ inline float row_max(const float* sc, int64_t s_max) {
   for (; s < s_max; ++s) top = sc[s] > top ? sc[s] : top;
   return top;
 }
+// out[c] = column c of the 16 x 16 float32 rows in[0..15] (in is overwritten).
+inline void transpose16(__m512* r, __m512* out) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+    out[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    out[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    out[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    out[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+// Which of keys s0 .. s0 + n - 1 (n <= 16) a query's mask row shows (null: all).
+inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int64_t n) {
+  const __mmask16 in = static_cast<__mmask16>((1u << n) - 1);
+  if (!m_row) return in;
+  if (m_stride == 1) return _mm_test_epi8_mask(_mm_maskz_loadu_epi8(in, m_row + s0), _mm_set1_epi8(1));
+  __mmask16 out = 0;
+  for (int64_t s = 0; s < n; ++s) out |= static_cast<__mmask16>(m_row[(s0 + s) * m_stride] ? 1u << s : 0u);
+  return out;
+}
+
 constexpr int64_t kChunk = 4;   // most queries that share one pass over the keys and values
 
 // Up to kChunk queries of one sequence and one key/value head (its query heads, of one or more rows),
-// d = 64: each key and value is read and widened once for all of them, and each query's scores come 16
+// d = 64, in float32 (float32 and float16; bfloat16 where the CPU has no VDPBF16PS, else attend_pairs below):
+// each key and value is read and widened once for all of them, and each query's scores come 16
 // keys at a time. Per query, the arithmetic is the same whatever else shares the pass (a query's result
 // depends only on its query, keys and mask): a key no query of the pass sees is never read (its slot may
 // hold anything), and a key hidden from one query but not another adds exactly 0 to the first.
@@ -230,67 +264,37 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
       if (!m_rows[j] || m_rows[j][s * m_stride]) return true;
     return false;
   };
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // bfloat16 keys and queries as they are: each key is two vectors of bfloat16 pairs, and one pair
-    // product (VDPBF16PS: both products exact, added in float32) does the work of two widenings and two FMAs.
-    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), D);
-    for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
-      const int64_t nb = std::min(kBlock, s_max - s0);
-      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max), std::min(s0 + kAhead + kBlock, s_max), D);
-      const T* key[kBlock];
-      for (int64_t s = 0; s < kBlock; ++s)
-        key[s] = s < nb && (seen_by[s0 + s] = seen(s0 + s)) ? k_base + slots[s0 + s] * k_stride : nullptr;
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < nq; ++j) {
-        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q_rows[j]), q1 = (__m512bh)_mm512_loadu_si512(q_rows[j] + 32);
-        __m512 part[kBlock];
-        for (int64_t s = 0; s < kBlock; ++s) {
-          if (!key[s]) {
-            part[s] = _mm512_setzero_ps();
-            continue;
-          }
-          const __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(key[s]));
-          part[s] = _mm512_dpbf16_ps(x, q1, (__m512bh)_mm512_loadu_si512(key[s] + 32));
-        }
-        _mm512_storeu_ps(scores + j * s_pad + s0, _mm512_mul_ps(sum_each(part), _mm512_set1_ps(scale)));
+  alignas(64) float qf[NQ * D];  // the queries widened to float32, once for the whole pass
+  for (int64_t j = 0; j < nq; ++j) {
+    Vec q[V];
+    widen(q_rows[j], q, V);
+    for (int64_t c = 0; c < V; ++c) q[c].store(qf + j * D + c * Vec::size());
+  }
+  prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), D);
+  for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
+    const int64_t nb = std::min(kBlock, s_max - s0);
+    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max), std::min(s0 + kAhead + kBlock, s_max), D);
+    for (int64_t s = 0; s < kBlock; ++s) {
+      Vec row[V];
+      if (s < nb && (seen_by[s0 + s] = seen(s0 + s))) {
+        widen(k_base + slots[s0 + s] * k_stride, row, V);
+      } else {
+        for (int64_t c = 0; c < V; ++c) row[c] = Vec(0.f);
       }
+      for (int64_t c = 0; c < V; ++c) row[c].store(kbuf + s * D + c * Vec::size());
     }
-  } else
-#endif
-  {
-    alignas(64) float qf[NQ * D];  // the queries widened to float32, once for the whole pass
     for (int64_t j = 0; j < nq; ++j) {
-      Vec q[V];
-      widen(q_rows[j], q, V);
-      for (int64_t c = 0; c < V; ++c) q[c].store(qf + j * D + c * Vec::size());
-    }
-    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), D);
-    for (int64_t s0 = 0; s0 < s_max; s0 += kBlock) {
-      const int64_t nb = std::min(kBlock, s_max - s0);
-      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max), std::min(s0 + kAhead + kBlock, s_max), D);
+      const __m512 q0 = _mm512_load_ps(qf + j * D), q1 = _mm512_load_ps(qf + j * D + 16);
+      const __m512 q2 = _mm512_load_ps(qf + j * D + 32), q3 = _mm512_load_ps(qf + j * D + 48);
+      __m512 part[kBlock];
       for (int64_t s = 0; s < kBlock; ++s) {
-        Vec row[V];
-        if (s < nb && (seen_by[s0 + s] = seen(s0 + s))) {
-          widen(k_base + slots[s0 + s] * k_stride, row, V);
-        } else {
-          for (int64_t c = 0; c < V; ++c) row[c] = Vec(0.f);
-        }
-        for (int64_t c = 0; c < V; ++c) row[c].store(kbuf + s * D + c * Vec::size());
+        const float* k = kbuf + s * D;
+        __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(k));
+        x = _mm512_fmadd_ps(q1, _mm512_load_ps(k + 16), x);
+        x = _mm512_fmadd_ps(q2, _mm512_load_ps(k + 32), x);
+        part[s] = _mm512_fmadd_ps(q3, _mm512_load_ps(k + 48), x);
       }
-      for (int64_t j = 0; j < nq; ++j) {
-        const __m512 q0 = _mm512_load_ps(qf + j * D), q1 = _mm512_load_ps(qf + j * D + 16);
-        const __m512 q2 = _mm512_load_ps(qf + j * D + 32), q3 = _mm512_load_ps(qf + j * D + 48);
-        __m512 part[kBlock];
-        for (int64_t s = 0; s < kBlock; ++s) {
-          const float* k = kbuf + s * D;
-          __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(k));
-          x = _mm512_fmadd_ps(q1, _mm512_load_ps(k + 16), x);
-          x = _mm512_fmadd_ps(q2, _mm512_load_ps(k + 32), x);
-          part[s] = _mm512_fmadd_ps(q3, _mm512_load_ps(k + 48), x);
-        }
-        _mm512_storeu_ps(scores + j * s_pad + s0, _mm512_mul_ps(sum_each(part), _mm512_set1_ps(scale)));
-      }
+      _mm512_storeu_ps(scores + j * s_pad + s0, _mm512_mul_ps(sum_each(part), _mm512_set1_ps(scale)));
     }
   }
   // masked keys at -inf, then each query's softmax, each probability rounded to the values' dtype
@@ -302,40 +306,6 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
   __m512 acc[NQ][V];
   for (int64_t j = 0; j < nq; ++j)
     for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // Keys two at a time: their values interleaved into bfloat16 pairs, times each query's two
-    // probabilities (already rounded to bfloat16, so exactly representable), one VDPBF16PS per 16 lanes.
-    // acc[j][2h] holds dims 32h + 8L + i and acc[j][2h + 1] dims 32h + 8L + 4 + i, at lane 4L + i.
-    const __m512i none = _mm512_setzero_si512();
-    auto load = [&](int64_t s, int64_t h) {
-      return s < s_max && seen_by[s] ? _mm512_loadu_si512(v_base + slots[s] * v_stride + 32 * h) : none;
-    };
-    for (int64_t s = 0; s < s_max; s += 2) {
-      if (!seen_by[s] && (s + 1 >= s_max || !seen_by[s + 1])) continue;  // keys no query of the pass sees
-      __m512bh pair[V];
-      for (int64_t h = 0; h < 2; ++h) {
-        const __m512i a = load(s, h), b = load(s + 1, h);
-        pair[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-        pair[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      }
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < nq; ++j) {
-        const float* sc = scores + j * s_pad;
-        const c10::BFloat16 p0(sc[s]), p1(s + 1 < s_max ? sc[s + 1] : 0.f);
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p0.x) | (static_cast<int32_t>(p1.x) << 16));
-#pragma GCC unroll 4
-        for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], p, pair[c]);
-      }
-    }
-    for (int64_t j = 0; j < nq; ++j) {
-      alignas(64) float lanes[D];
-      for (int64_t c = 0; c < V; ++c) _mm512_store_ps(lanes + c * 16, acc[j][c]);
-      store_pair_sums<T>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_rows[j]);
-    }
-    return;
-  }
-#endif
   for (int64_t s = 0; s < s_max; ++s) {
     if (!seen_by[s]) continue;  // a key no query of the pass sees: its slot may hold anything
     Vec row[V];
@@ -354,6 +324,143 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
     for (int64_t e = 0; e < D; ++e) o_rows[j][e] = static_cast<T>(out[e]);
   }
 }
+
+#if defined(__AVX512BF16__)
+// bfloat16, d = 64, on VDPBF16PS (a product of two bfloat16 pairs, both products exact, added in float32): one
+// sequence's keys and values for one key/value head, laid out once for every query of theirs a thread takes
+// (a verification's rows times the head's query heads: 27 queries at 9 rows of the bundled model), so that no
+// query pays for a layout:
+// - keys by pairs of dimensions, 16 keys a vector: keys[32 b + p] lane i holds dimensions 2p, 2p + 1 of key
+//   16 b + i, so a query's scores of 16 keys are 32 VDPBF16PS of its broadcast pairs, one key a lane, with no
+//   sum across lanes (summing a query . key product's 16 lanes cost more than the products);
+// - values two keys at a time, interleaved into pairs (values[4 (s / 2) + c], store_pair_sums' layout), which
+//   a query's two probabilities, already bfloat16, multiply as one broadcast pair.
+// Keys no row of the sequence sees are zero (their slots may hold anything, NaN included).
+struct PairCache {
+  int64_t b = -1, g = -1;  // whose keys it holds (b = -1: none)
+  const __m512i* keys = nullptr;
+  const __m512i* values = nullptr;
+  std::vector<bool> seen;  // by key: whether a row of the sequence sees it
+
+  void fill(int64_t b_, int64_t g_, const c10::BFloat16* k_base, const c10::BFloat16* v_base, int64_t k_stride,
+            int64_t v_stride, const int64_t* slots, int64_t s_max, int64_t s_pad, const std::vector<const bool*>& masks,
+            int64_t m_stride) {
+    b = b_, g = g_;
+    room.resize(4 * s_pad * 16 + 16);  // 2 * s_pad vectors each, and room to align them to 64 bytes
+    __m512i* out = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(room.data()) + 63) / 64 * 64);
+    keys = out, values = out + 2 * s_pad;
+    seen.assign(s_pad, false);
+    for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
+      const int64_t n = std::clamp<int64_t>(s_max - s0, 0, 16);
+      __mmask16 any = 0;
+      for (const bool* m : masks) any |= visible16(m, m_stride, s0, n);
+      for (int64_t i = 0; i < 16; ++i) seen[s0 + i] = any >> i & 1;
+    }
+    const __m512i none = _mm512_setzero_si512();
+    auto key = [&](int64_t s, int64_t h) {
+      return seen[s] ? _mm512_loadu_si512(k_base + slots[s] * k_stride + 32 * h) : none;
+    };
+    auto value = [&](int64_t s, int64_t h) {
+      return seen[s] ? _mm512_loadu_si512(v_base + slots[s] * v_stride + 32 * h) : none;
+    };
+    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), 64);
+    for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
+      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max),
+                    std::min(s0 + kAhead + 16, s_max), 64);
+      for (int64_t h = 0; h < 2; ++h) {  // dimensions 32 h .. 32 h + 31: pairs 16 h .. 16 h + 15
+        __m512 rows[16], pairs[16];
+        for (int64_t i = 0; i < 16; ++i) rows[i] = _mm512_castsi512_ps(key(s0 + i, h));
+        transpose16(rows, pairs);
+        for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(out + 2 * s0 + 16 * h + p, _mm512_castps_si512(pairs[p]));
+      }
+      for (int64_t s = s0; s < s0 + 16; s += 2)
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m512i a = value(s, h), c = value(s + 1, h);
+          _mm512_store_si512(out + 2 * s_pad + 2 * s + 2 * h, _mm512_unpacklo_epi16(a, c));
+          _mm512_store_si512(out + 2 * s_pad + 2 * s + 2 * h + 1, _mm512_unpackhi_epi16(a, c));
+        }
+    }
+  }
+
+ private:
+  std::vector<uint32_t> room;
+};
+
+// Up to kChunk queries of one sequence and one key/value head against its PairCache. A query's scores are four
+// chains of eight products (pairs p = c mod 4) added as (c0 + c1) + (c2 + c3), its output the sum over keys in
+// order: the same arithmetic whatever else shares the pass, so a query's result depends on its query, keys and
+// mask alone. scores: [NQ][s_pad] floats; probs: [NQ][s_pad] bfloat16 bits; seen_by: by key, whether a query of
+// the pass sees it.
+template <int64_t NQ>
+void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
+                  const PairCache& cache, int64_t m_stride, int64_t s_max, int64_t s_pad, float scale, float* scores,
+                  uint16_t* probs, bool* seen_by) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const uint32_t* q[NQ];
+  for (int64_t j = 0; j < NQ; ++j) q[j] = reinterpret_cast<const uint32_t*>(q_rows[j]);
+  for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
+    const int64_t n = std::clamp<int64_t>(s_max - s0, 0, 16);
+    __mmask16 any = 0;
+    for (int64_t j = 0; j < NQ; ++j) any |= visible16(m_rows[j], m_stride, s0, n);
+    for (int64_t i = 0; i < 16; ++i) seen_by[s0 + i] = any >> i & 1;
+    if (!any) {  // no query of the pass sees these keys: hide_masked sets those below s_max to -inf
+      for (int64_t j = 0; j < NQ; ++j) _mm512_storeu_ps(scores + j * s_pad + s0, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512i* k = cache.keys + 2 * s0;
+    __m512 acc[NQ][4];
+    for (int64_t j = 0; j < NQ; ++j)
+      for (int64_t c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < 32; p += 4) {
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m512bh kp = (__m512bh)_mm512_load_si512(k + p + c);
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < NQ; ++j)
+          acc[j][c] = _mm512_dpbf16_ps(acc[j][c], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[j][p + c])), kp);
+      }
+    }
+    for (int64_t j = 0; j < NQ; ++j) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_add_ps(acc[j][2], acc[j][3]));
+      _mm512_storeu_ps(scores + j * s_pad + s0, _mm512_mul_ps(sum, vscale));
+    }
+  }
+  // masked keys at -inf, each query's softmax (probabilities rounded to bfloat16, zeros past s_max), and its
+  // probabilities as bfloat16 bits (exact: the upper half of each float's bits)
+  for (int64_t j = 0; j < NQ; ++j) {
+    float* sc = scores + j * s_pad;
+    hide_masked(sc, m_rows[j], m_stride, s_max);
+    softmax_rounded<c10::BFloat16>(sc, s_max, row_max(sc, s_max));
+    for (int64_t s = 0; s < s_pad; s += 16) {
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(sc + s)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j * s_pad + s), _mm512_cvtepi32_epi16(bits));
+    }
+  }
+  // Keys two at a time: each query's two probabilities as one pair, times the keys' value pairs
+  __m512 acc[NQ][4];
+  for (int64_t j = 0; j < NQ; ++j)
+    for (int64_t c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < s_max; s += 2) {
+    if (!seen_by[s] && !seen_by[s + 1]) continue;  // keys no query of the pass sees (probabilities 0)
+    const __m512i* v = cache.values + 2 * s;
+    __m512bh pair[4];
+    for (int64_t c = 0; c < 4; ++c) pair[c] = (__m512bh)_mm512_load_si512(v + c);
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < NQ; ++j) {
+      int32_t two;
+      std::memcpy(&two, probs + j * s_pad + s, sizeof(two));
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(two);
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < 4; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], p, pair[c]);
+    }
+  }
+  for (int64_t j = 0; j < NQ; ++j) {
+    alignas(64) float lanes[64];
+    for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(lanes + c * 16, acc[j][c]);
+    store_pair_sums<c10::BFloat16>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_rows[j]);
+  }
+}
+#endif
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -376,31 +483,6 @@ inline void configure_attention_tiles() {
   specstream_kernels::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));  // see common.h's configure_bf16_tiles
-}
-
-// out[r] = column r of the 16 x 16 float32 in (rows 16 apart).
-inline void transpose16(const float* in, __m512* out) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + 16 * i);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-    out[j] = _mm512_shuffle_f32x4(a, c, 0x88);
-    out[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
-    out[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    out[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
 }
 
 // A thread's buffers for attend_tiles, sized for s_max keys.
@@ -432,16 +514,6 @@ inline void score_block_1(const void* keys, int64_t stride) {
   _tile_zero(1);
   _tile_dpbf16ps(1, 2, 4);
   _tile_dpbf16ps(1, 3, 5);
-}
-
-// Which of keys s0 .. s0 + n - 1 (n <= 16) a query's mask row shows (null: all).
-inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int64_t n) {
-  const __mmask16 in = static_cast<__mmask16>((1u << n) - 1);
-  if (!m_row) return in;
-  if (m_stride == 1) return _mm_test_epi8_mask(_mm_maskz_loadu_epi8(in, m_row + s0), _mm_set1_epi8(1));
-  __mmask16 out = 0;
-  for (int64_t s = 0; s < n; ++s) out |= static_cast<__mmask16>(m_row[(s0 + s) * m_stride] ? 1u << s : 0u);
-  return out;
 }
 
 // nq <= 16 queries of one sequence and one key/value head (q_rows, masks m_rows: null sees every key, results
@@ -517,8 +589,9 @@ void attend_tiles(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
       _tile_stored(0, c, 64);
     else
       _tile_stored(1, c, 64);
-    __m512 rows[16];
-    transpose16(c, rows);
+    __m512 in[16], rows[16];
+    for (int i = 0; i < 16; ++i) in[i] = _mm512_load_ps(c + 16 * i);
+    transpose16(in, rows);
     const int64_t nb = std::min<int64_t>(16, s_max - s0);
     for (int64_t j = 0; j < nq; ++j) {
       const __m512 x = _mm512_mask_mov_ps(neg_inf, visible16(m_rows[j], m_stride, s0, nb), _mm512_mul_ps(rows[j], vscale));
@@ -678,6 +751,45 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
         });
         return;
       }
+    }
+#endif
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // each sequence's rows' masks (null: it sees every key), for the keys its PairCache holds
+      std::vector<std::vector<const bool*>> masks(rows_of.size());
+      for (int64_t b = 0; b < static_cast<int64_t>(rows_of.size()); ++b)
+        for (int64_t i : rows_of[b]) masks[b].push_back(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr);
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
+        thread_local std::vector<float> scores;
+        thread_local std::vector<uint16_t> probs;
+        cache.b = -1;
+        scores.resize(kChunk * s_pad);
+        probs.resize(kChunk * s_pad);
+        std::unique_ptr<bool[]> seen(new bool[s_pad]);
+        for (int64_t w = begin; w < end; ++w) {
+          const Item& it = items[w];
+          const T* q_rows[kChunk];
+          const bool* m_rows[kChunk];
+          T* o_rows[kChunk];
+          item_rows(it, q_rows, m_rows, o_rows);
+          if (cache.b != it.b || cache.g != it.g)
+            cache.fill(it.b, it.g, k_ptr + it.g * ks1, v_ptr + it.g * vs1, ks0, vs0, kv_ptr + it.b * s_max, s_max, s_pad,
+                       masks[it.b], ms3);
+          switch (it.last - it.first) {
+#define SPECSTREAM_ATTEND(NQ)                                                                                       \
+  case NQ:                                                                                                          \
+    attend_pairs<NQ>(q_rows, m_rows, o_rows, cache, ms3, s_max, s_pad, scale, scores.data(), probs.data(), seen.get()); \
+    break;
+            SPECSTREAM_ATTEND(1)
+            SPECSTREAM_ATTEND(2)
+            SPECSTREAM_ATTEND(3)
+            SPECSTREAM_ATTEND(4)
+#undef SPECSTREAM_ATTEND
+          }
+        }
+      });
+      return;
     }
 #endif
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
