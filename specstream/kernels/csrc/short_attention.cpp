@@ -13,8 +13,8 @@
 // With AVX-512 and a head dimension of 64 (the bundled model's), the queries that read the same keys (a
 // key/value head's query heads, for each of a sequence's rows) share one pass over them, a few at a time:
 // each key and value is read once per pass, and each query's scores come 16 keys at a time. bfloat16 keys,
-// queries, probabilities and values multiply as bfloat16 pairs (VDPBF16PS) where the CPU has it, from one
-// sequence's keys and values laid out once for all the queries of theirs a thread takes (attend_pairs).
+// queries, probabilities and values multiply as bfloat16 pairs (VDPBF16PS) where the CPU has it, the keys laid out
+// once for all the queries of theirs a thread takes (attend_pairs).
 //
 // Where the CPU has AMX-BF16, bfloat16 with a head dimension of 64 takes tiles instead (attend_tiles): up to 16
 // queries of a key/value head share each tile multiply, for the scores and for the sum over the values. It
@@ -327,28 +327,23 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
 
 #if defined(__AVX512BF16__)
 // bfloat16, d = 64, on VDPBF16PS (a product of two bfloat16 pairs, both products exact, added in float32): one
-// sequence's keys and values for one key/value head, laid out once for every query of theirs a thread takes
-// (a verification's rows times the head's query heads: 27 queries at 9 rows of the bundled model), so that no
-// query pays for a layout:
-// - keys by pairs of dimensions, 16 keys a vector: keys[32 b + p] lane i holds dimensions 2p, 2p + 1 of key
-//   16 b + i, so a query's scores of 16 keys are 32 VDPBF16PS of its broadcast pairs, one key a lane, with no
-//   sum across lanes (summing a query . key product's 16 lanes cost more than the products);
-// - values two keys at a time, interleaved into pairs (values[4 (s / 2) + c], store_pair_sums' layout), which
-//   a query's two probabilities, already bfloat16, multiply as one broadcast pair.
-// Keys no row of the sequence sees are zero (their slots may hold anything, NaN included).
+// sequence's keys for one key/value head laid out once for every query of theirs a thread takes (a verification's
+// rows times the head's query heads: 27 queries at 9 rows of the bundled model) by pairs of dimensions, 16 keys a
+// vector: keys[32 b + p] lane i holds dimensions 2p, 2p + 1 of key 16 b + i. A query's scores of 16 keys are then
+// 32 VDPBF16PS of its broadcast pairs, one key a lane, with no sum across lanes (summing each query . key
+// product's 16 lanes cost more than the products). Keys no row of the sequence sees are zero (their slots may
+// hold anything, NaN included).
 struct PairCache {
   int64_t b = -1, g = -1;  // whose keys it holds (b = -1: none)
   const __m512i* keys = nullptr;
-  const __m512i* values = nullptr;
   std::vector<bool> seen;  // by key: whether a row of the sequence sees it
 
-  void fill(int64_t b_, int64_t g_, const c10::BFloat16* k_base, const c10::BFloat16* v_base, int64_t k_stride,
-            int64_t v_stride, const int64_t* slots, int64_t s_max, int64_t s_pad, const std::vector<const bool*>& masks,
-            int64_t m_stride) {
+  void fill(int64_t b_, int64_t g_, const c10::BFloat16* k_base, int64_t k_stride, const int64_t* slots, int64_t s_max,
+            int64_t s_pad, const std::vector<const bool*>& masks, int64_t m_stride) {
     b = b_, g = g_;
-    room.resize(4 * s_pad * 16 + 16);  // 2 * s_pad vectors each, and room to align them to 64 bytes
+    room.resize(2 * s_pad * 16 + 16);  // 2 * s_pad vectors, and room to align them to 64 bytes
     __m512i* out = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(room.data()) + 63) / 64 * 64);
-    keys = out, values = out + 2 * s_pad;
+    keys = out;
     seen.assign(s_pad, false);
     for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
       const int64_t n = std::clamp<int64_t>(s_max - s0, 0, 16);
@@ -360,25 +355,17 @@ struct PairCache {
     auto key = [&](int64_t s, int64_t h) {
       return seen[s] ? _mm512_loadu_si512(k_base + slots[s] * k_stride + 32 * h) : none;
     };
-    auto value = [&](int64_t s, int64_t h) {
-      return seen[s] ? _mm512_loadu_si512(v_base + slots[s] * v_stride + 32 * h) : none;
-    };
-    prefetch_keys(k_base, v_base, k_stride, v_stride, slots, 0, std::min(kAhead, s_max), 64);
     for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
-      prefetch_keys(k_base, v_base, k_stride, v_stride, slots, std::min(s0 + kAhead, s_max),
-                    std::min(s0 + kAhead + 16, s_max), 64);
+      for (int64_t s = std::min(s0 + kAhead, s_max); s < std::min(s0 + kAhead + 16, s_max); ++s) {
+        __builtin_prefetch(k_base + slots[s] * k_stride, 0, 3);
+        __builtin_prefetch(k_base + slots[s] * k_stride + 32, 0, 3);
+      }
       for (int64_t h = 0; h < 2; ++h) {  // dimensions 32 h .. 32 h + 31: pairs 16 h .. 16 h + 15
         __m512 rows[16], pairs[16];
         for (int64_t i = 0; i < 16; ++i) rows[i] = _mm512_castsi512_ps(key(s0 + i, h));
         transpose16(rows, pairs);
         for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(out + 2 * s0 + 16 * h + p, _mm512_castps_si512(pairs[p]));
       }
-      for (int64_t s = s0; s < s0 + 16; s += 2)
-        for (int64_t h = 0; h < 2; ++h) {
-          const __m512i a = value(s, h), c = value(s + 1, h);
-          _mm512_store_si512(out + 2 * s_pad + 2 * s + 2 * h, _mm512_unpacklo_epi16(a, c));
-          _mm512_store_si512(out + 2 * s_pad + 2 * s + 2 * h + 1, _mm512_unpackhi_epi16(a, c));
-        }
     }
   }
 
@@ -386,15 +373,17 @@ struct PairCache {
   std::vector<uint32_t> room;
 };
 
-// Up to kChunk queries of one sequence and one key/value head against its PairCache. A query's scores are four
-// chains of eight products (pairs p = c mod 4) added as (c0 + c1) + (c2 + c3), its output the sum over keys in
-// order: the same arithmetic whatever else shares the pass, so a query's result depends on its query, keys and
-// mask alone. scores: [NQ][s_pad] floats; probs: [NQ][s_pad] bfloat16 bits; seen_by: by key, whether a query of
-// the pass sees it.
+// Up to kChunk queries of one sequence and one key/value head against its PairCache (keys) and the pool (values,
+// two keys at a time interleaved into pairs, which a query's two probabilities, already bfloat16, multiply as one
+// broadcast pair). A query's scores are four chains of eight products (pairs p = c mod 4) added as (c0 + c1) +
+// (c2 + c3), its output the sum over keys in order: the same arithmetic whatever else shares the pass, so a
+// query's result depends on its query, keys and mask alone. scores: [NQ][s_pad] floats; probs: [NQ][s_pad]
+// bfloat16 bits; seen_by: by key, whether a query of the pass sees it.
 template <int64_t NQ>
 void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
-                  const PairCache& cache, int64_t m_stride, int64_t s_max, int64_t s_pad, float scale, float* scores,
-                  uint16_t* probs, bool* seen_by) {
+                  const PairCache& cache, const c10::BFloat16* v_base, int64_t v_stride, const int64_t* slots,
+                  int64_t m_stride, int64_t s_max, int64_t s_pad, float scale, float* scores, uint16_t* probs,
+                  bool* seen_by) {
   const __m512 vscale = _mm512_set1_ps(scale);
   const uint32_t* q[NQ];
   for (int64_t j = 0; j < NQ; ++j) q[j] = reinterpret_cast<const uint32_t*>(q_rows[j]);
@@ -437,14 +426,25 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
     }
   }
   // Keys two at a time: each query's two probabilities as one pair, times the keys' value pairs
+  const __m512i none = _mm512_setzero_si512();
+  auto value = [&](int64_t s, int64_t h) {
+    return s < s_max && seen_by[s] ? _mm512_loadu_si512(v_base + slots[s] * v_stride + 32 * h) : none;
+  };
   __m512 acc[NQ][4];
   for (int64_t j = 0; j < NQ; ++j)
     for (int64_t c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < s_max; s += 2) {
+    for (int64_t a = s + kAhead; a < std::min(s + kAhead + 2, s_max); ++a) {
+      __builtin_prefetch(v_base + slots[a] * v_stride, 0, 3);
+      __builtin_prefetch(v_base + slots[a] * v_stride + 32, 0, 3);
+    }
     if (!seen_by[s] && !seen_by[s + 1]) continue;  // keys no query of the pass sees (probabilities 0)
-    const __m512i* v = cache.values + 2 * s;
     __m512bh pair[4];
-    for (int64_t c = 0; c < 4; ++c) pair[c] = (__m512bh)_mm512_load_si512(v + c);
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i a = value(s, h), b = value(s + 1, h);
+      pair[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      pair[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
 #pragma GCC unroll 4
     for (int64_t j = 0; j < NQ; ++j) {
       int32_t two;
@@ -774,12 +774,12 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
           T* o_rows[kChunk];
           item_rows(it, q_rows, m_rows, o_rows);
           if (cache.b != it.b || cache.g != it.g)
-            cache.fill(it.b, it.g, k_ptr + it.g * ks1, v_ptr + it.g * vs1, ks0, vs0, kv_ptr + it.b * s_max, s_max, s_pad,
-                       masks[it.b], ms3);
+            cache.fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, masks[it.b], ms3);
           switch (it.last - it.first) {
 #define SPECSTREAM_ATTEND(NQ)                                                                                       \
   case NQ:                                                                                                          \
-    attend_pairs<NQ>(q_rows, m_rows, o_rows, cache, ms3, s_max, s_pad, scale, scores.data(), probs.data(), seen.get()); \
+    attend_pairs<NQ>(q_rows, m_rows, o_rows, cache, v_ptr + it.g * vs1, vs0, kv_ptr + it.b * s_max, ms3, s_max, s_pad, \
+                     scale, scores.data(), probs.data(), seen.get());                                             \
     break;
             SPECSTREAM_ATTEND(1)
             SPECSTREAM_ATTEND(2)
