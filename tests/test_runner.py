@@ -115,3 +115,42 @@ def test_default_model_takes_the_lean_forward_and_matches_transformers(default_m
     runner.forward([ForwardItem(table, 0, ids[:7], 0)])
     out = runner.forward([ForwardItem(table, 7, ids[7:], 5)])
     torch.testing.assert_close(out, reference_logits(ref, ids)[7:], atol=2e-4, rtol=2e-4)
+
+
+def test_prefill_chunks_attend_through_the_kernel_where_it_multiplies_bfloat16_pairs(tmp_path):
+    """Where short_attention multiplies bfloat16 pairs from each sequence's keys laid out once (AVX512-BF16 without
+    AMX: cpu.attention_pairs), prefill chunks of any length attend through it (there it is faster than SDPA: the
+    README's figures), and their logits, a chunk after a cached prefix included, are as close to the float32
+    model's as SDPA's; elsewhere prefill keeps SDPA (short prompts under a8 aside)."""
+    from conftest import build_tiny_model
+
+    from specstream.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    source = resolve_model(str(build_tiny_model(tmp_path / "heads-of-64", hidden=256)))  # 4 heads of 64
+    model = load_model(source, torch.bfloat16, attn_implementation=ATTN_IMPLEMENTATION)
+    pool = KVPool(*model_geometry(model.config), 2048, 8, torch.bfloat16, "cpu")
+    runner = ModelRunner(model, pool)
+    runner.fast.routes_settled()  # as the engine's builder calls it
+    pairs = cpu_kernels.attention_pairs(torch.bfloat16, 64)
+    assert runner.fast.prefill_keys == (1 << 62 if pairs else 0)
+    if not pairs:
+        pytest.skip("short_attention has no bfloat16 pair path here (AMX tiles, or no AVX512-BF16): prefill keeps SDPA")
+    ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = reference_logits(load_model(source), ids)
+
+    def prefill() -> torch.Tensor:
+        table = []
+        assert pool.reserve(table, len(ids))
+        first = runner.forward([ForwardItem(table, 0, ids[:300], 300)])
+        return torch.cat([first, runner.forward([ForwardItem(table, 300, ids[300:], 400)])])
+
+    kernel = prefill()
+    runner.fast.prefill_keys = 0
+    sdpa = prefill()
+    assert not torch.equal(kernel, sdpa)  # two attentions, not one twice
+    error = {name: (got - want).abs().mean().item() for name, got in (("kernel", kernel), ("sdpa", sdpa))}
+    assert error["kernel"] < 1.1 * error["sdpa"], error  # 0.0304 against 0.0302 (bf16 weights and activations)
+    agree = {name: (got.argmax(-1) == want.argmax(-1)).float().mean().item() for name, got in (("kernel", kernel), ("sdpa", sdpa))}
+    assert agree["kernel"] > agree["sdpa"] - 0.02, agree

@@ -106,6 +106,14 @@ def fits_head(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
+def attention_pairs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether short_attention serves this dtype and head dimension on its vector path's bfloat16 pairs, each
+    sequence's keys laid out once for all its queries (bfloat16, 64-wide heads, AVX512-BF16 without AMX). There it
+    also attends prefill chunks faster than SDPA (README: "Prefill chunks through the attention kernel"). Loads
+    nothing."""
+    return loaded() and dtype == torch.bfloat16 and head_dim == 64 and bool(torch.ops.specstream.short_attention_pairs())
+
+
 def build_ahead() -> None:
     """Start building the kernels (where the cache has none yet) in a thread of its own, so that the
     compiler runs while start-up does other work (loading the model); load() waits for it."""

@@ -146,12 +146,14 @@ _EXPLICIT_MAX_SCORES = 2**24
 # another (runner.py).
 SHORT_RUN = 16
 # With specstream's CPU kernel, every group of short runs attends through it, eager or compiled, whatever the
-# step's batch, and where the projections are row-invariant too (a8: FastLlama's kernel_prefill) so does every
-# prefill group over at most this many keys: a token then attends through the
-# same kernel whether it was decoded, verified, or prefilled in any chunk (a prompt's tail after a prefix-cache
-# hit, a preempted sequence computed again), and the kernel computes a row alone, so its numbers do not depend
-# on the step (kernels/csrc/short_attention.cpp). Longer prefill groups take SDPA, several times faster there
-# (the kernel has no blocking across query rows, and its cost grows faster with the prompt than SDPA's).
+# step's batch. Prefill groups attend through it over at most the forward's prefill_keys keys (FastLlama.prefill_keys):
+# - where the projections are row-invariant too (a8), over at most KERNEL_MAX_KEYS: a token then attends through the
+#   same kernel whether it was decoded, verified, or prefilled in any chunk (a prompt's tail after a prefix-cache
+#   hit, a preempted sequence computed again), and the kernel computes a row alone, so its numbers do not depend on
+#   the step (kernels/csrc/short_attention.cpp). Longer prefill groups take SDPA, several times faster there than
+#   the kernel's paths that score each query alone;
+# - over any number of keys where the kernel multiplies bfloat16 pairs from each sequence's keys laid out once for
+#   all its queries (cpu.attention_pairs): there it is faster than SDPA for prefill chunks too.
 KERNEL_MAX_KEYS = 512
 
 _local = threading.local()
@@ -178,13 +180,13 @@ def attend(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     kernel: bool = False,
-    kernel_prefill: bool = False,
+    prefill_keys: int = 0,
 ) -> torch.Tensor:
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
     ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
     sliding-window layer). Returns [1, heads, T, d]. kernel: groups of short query runs attend with
-    specstream's CPU kernel (loaded by the caller), as the compiled steps do; kernel_prefill: so do prefill
-    groups over at most KERNEL_MAX_KEYS keys."""
+    specstream's CPU kernel (loaded by the caller), as the compiled steps do; so do prefill groups over at most
+    prefill_keys keys."""
     pool = ctx.pool
     if ctx.windows is not None:
         ctx.windows[layer] = window
@@ -199,7 +201,7 @@ def attend(
     slot_mapping = ctx.slot_mappings[kv_group]
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
-    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel, kernel_prefill)
+    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys)
     if len(ctx.groups) == 1:
         return _attend_group(ctx, ctx.groups[0], *args).unsqueeze(0)
     out = query.new_empty(query.shape[1:])
@@ -210,13 +212,13 @@ def attend(
 
 
 def _attend_group(
-    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, kernel_prefill
+    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys
 ):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
     view = group.key_view(window, bool(ctx.q_tile), kv_group)
     if kernel and softcap is None and sinks is None and not ctx.q_tile and (
-        group.q_index.shape[1] <= SHORT_RUN or kernel_prefill and view.kv_index.shape[1] <= KERNEL_MAX_KEYS
+        group.q_index.shape[1] <= SHORT_RUN or view.kv_index.shape[1] <= prefill_keys
     ):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = torch.ops.specstream.short_attention(

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from specstream.model.attention import StepContext, attend, attend_short
+from specstream.model.attention import KERNEL_MAX_KEYS, StepContext, attend, attend_short
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels.quant import Linear, project
 
@@ -222,8 +222,8 @@ class FastLlama:
                     linear([name("mlp.down_proj")], mlp.down_proj.weight.data),
                 )
             )
-        # Prefill chunks of short prompts attend through the decoding kernel too (see routes_settled).
-        self.kernel_prefill = False
+        # The most keys a prefill chunk attends through the decoding kernel over (see routes_settled).
+        self.prefill_keys = 0
         # The compiled short steps (compiled_steps.CompiledSteps), installed whole once built and warmed up;
         # None: every step runs eager. A thread warming up steps not yet installed sees them through
         # _local (warming()), every other thread sees `steps`.
@@ -235,16 +235,23 @@ class FastLlama:
         return [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
 
     def routes_settled(self) -> None:
-        """Called once the projections' routes are settled (kernels/routes.py). Where every projection computes
-        a row alone at every row count (a8's kernel, no dense route), prefill chunks of short prompts attend
-        through the same kernel as decoding, so that a token's logits do not depend on how its prompt was
-        chunked (a prefix-cache hit, a preemption). Elsewhere the routes break that anyway, and SDPA prefills
-        faster."""
+        """Called once the projections' routes are settled (kernels/routes.py): which prefill chunks attend through
+        the decoding kernel (attention.KERNEL_MAX_KEYS has why). Where the kernel multiplies bfloat16 pairs from each
+        sequence's keys laid out once (cpu.attention_pairs), every chunk: it is faster than SDPA there. Elsewhere,
+        where every projection computes a row alone at every row count (a8's kernel, no dense route), chunks of
+        short prompts, so that a token's logits do not depend on how its prompt was chunked (a prefix-cache hit,
+        a preemption); elsewhere the routes break that anyway, and SDPA prefills faster."""
         projections = [self.lm_head, *self.layer_projections()]
-        self.kernel_prefill = self.math.attention_kernel and all(
+        invariant = all(
             isinstance(lin, Linear) and lin.packed is not None and lin.packed.kernel[0] == "a8" and lin.dense is None
             for lin in projections
         )
+        if not self.math.attention_kernel:
+            self.prefill_keys = 0
+        elif cpu_kernels.attention_pairs(self.embed.dtype, self.math.head_dim):
+            self.prefill_keys = 1 << 62
+        else:
+            self.prefill_keys = KERNEL_MAX_KEYS if invariant else 0
 
     # ------------------------------------------------------------------ compiled steps
     @property
@@ -321,7 +328,7 @@ class FastLlama:
                 v,
                 self.math.scaling,
                 kernel=self.math.attention_kernel,
-                kernel_prefill=self.kernel_prefill,
+                prefill_keys=self.prefill_keys,
             )
             x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
         return self._finish(x, keep, aux_layers, aux)

@@ -851,6 +851,17 @@ std::vector<int64_t> short_attention_paths() {
   return out;
 }
 
+// Whether bfloat16 with a head dimension of 64 takes the vector path's bfloat16 pairs by default here (attend_pairs:
+// built with AVX512-BF16, and no AMX tiles on this CPU).
+bool short_attention_pairs() {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  const std::vector<int64_t> paths = short_attention_paths();
+  return std::find(paths.begin(), paths.end(), kTiles) == paths.end();
+#else
+  return false;
+#endif
+}
+
 // query [T, heads, d] (the step's rows; any strides with a unit last one), keys/values [slots, kv_heads, d]
 // (one layer of the pool), kv_index [B, S] pool slot of each sequence's keys, mask [B, 1, T_max, S] (True:
 // visible) or none, q_index [B, T_max] row of each query, out_index [n] flattened (b, t) of each output
@@ -894,4 +905,7 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, cons
 
 TORCH_LIBRARY_IMPL(specstream, CPU, m) { m.impl("short_attention", &short_attention); }
 
-TORCH_LIBRARY_FRAGMENT(specstream, m) { m.def("short_attention_paths() -> int[]", &short_attention_paths); }
+TORCH_LIBRARY_FRAGMENT(specstream, m) {
+  m.def("short_attention_paths() -> int[]", &short_attention_paths);
+  m.def("short_attention_pairs() -> bool", &short_attention_pairs);
+}
