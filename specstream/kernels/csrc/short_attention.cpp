@@ -248,6 +248,14 @@ inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int6
 
 constexpr int64_t kChunk = 4;   // most queries that share one pass over the keys and values
 
+// A thread's buffers for attend_queries.
+struct QueryScratch {
+  explicit QueryScratch(int64_t s_pad) : scores(kChunk * s_pad), seen(new bool[s_pad]) {}
+  std::vector<float> scores;
+  std::unique_ptr<bool[]> seen;  // by key: whether a query of the pass sees it
+  alignas(64) float kbuf[kBlock * 64];
+};
+
 // Up to kChunk queries of one sequence and one key/value head (its query heads, of one or more rows),
 // d = 64, in float32 (float32 and float16; bfloat16 where the CPU has no VDPBF16PS, else attend_pairs below):
 // each key and value is read and widened once for all of them, and each query's scores come 16
@@ -753,71 +761,60 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       }
     }
 #endif
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      // each sequence's rows' masks (null: it sees every key), for the keys its PairCache holds
-      std::vector<std::vector<const bool*>> masks(rows_of.size());
-      for (int64_t b = 0; b < static_cast<int64_t>(rows_of.size()); ++b)
-        for (int64_t i : rows_of[b]) masks[b].push_back(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr);
+    // The items split among threads: start() runs once a thread, before its items, and returns what the thread
+    // keeps for them (its buffers); attend(kept, nq, item, q_rows, m_rows, o_rows) runs for each item, nq its
+    // query count as a template argument (1 .. kChunk).
+    auto over_items = [&](auto&& start, auto&& attend) {
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-        thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
-        thread_local std::vector<float> scores;
-        thread_local std::vector<uint16_t> probs;
-        cache.b = -1;
-        scores.resize(kChunk * s_pad);
-        probs.resize(kChunk * s_pad);
-        std::unique_ptr<bool[]> seen(new bool[s_pad]);
+        auto kept = start();
         for (int64_t w = begin; w < end; ++w) {
           const Item& it = items[w];
           const T* q_rows[kChunk];
           const bool* m_rows[kChunk];
           T* o_rows[kChunk];
           item_rows(it, q_rows, m_rows, o_rows);
-          if (cache.b != it.b || cache.g != it.g)
-            cache.fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, masks[it.b], ms3);
+          auto call = [&](auto nq) { attend(kept, nq, it, q_rows, m_rows, o_rows); };
           switch (it.last - it.first) {
-#define SPECSTREAM_ATTEND(NQ)                                                                                       \
-  case NQ:                                                                                                          \
-    attend_pairs<NQ>(q_rows, m_rows, o_rows, cache, v_ptr + it.g * vs1, vs0, kv_ptr + it.b * s_max, ms3, s_max, s_pad, \
-                     scale, scores.data(), probs.data(), seen.get());                                             \
-    break;
-            SPECSTREAM_ATTEND(1)
-            SPECSTREAM_ATTEND(2)
-            SPECSTREAM_ATTEND(3)
-            SPECSTREAM_ATTEND(4)
-#undef SPECSTREAM_ATTEND
+            case 1: call(std::integral_constant<int64_t, 1>{}); break;
+            case 2: call(std::integral_constant<int64_t, 2>{}); break;
+            case 3: call(std::integral_constant<int64_t, 3>{}); break;
+            default: call(std::integral_constant<int64_t, kChunk>{}); break;
           }
         }
       });
+    };
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // each sequence's rows' masks (null: it sees every key), for the keys its PairCache holds
+      std::vector<std::vector<const bool*>> masks(rows_of.size());
+      for (int64_t b = 0; b < static_cast<int64_t>(rows_of.size()); ++b)
+        for (int64_t i : rows_of[b]) masks[b].push_back(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr);
+      over_items(
+          [&] {
+            thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
+            thread_local std::vector<float> scores;
+            thread_local std::vector<uint16_t> probs;
+            cache.b = -1;
+            scores.resize(kChunk * s_pad);
+            probs.resize(kChunk * s_pad);
+            return std::make_tuple(&cache, scores.data(), probs.data(), std::unique_ptr<bool[]>(new bool[s_pad]));
+          },
+          [&](auto& kept, auto nq, const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
+            auto& [cache, scores, probs, seen] = kept;
+            if (cache->b != it.b || cache->g != it.g)
+              cache->fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, masks[it.b], ms3);
+            attend_pairs<decltype(nq)::value>(q_rows, m_rows, o_rows, *cache, v_ptr + it.g * vs1, vs0,
+                                              kv_ptr + it.b * s_max, ms3, s_max, s_pad, scale, scores, probs, seen.get());
+          });
       return;
     }
 #endif
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(kChunk * s_pad);
-      std::unique_ptr<bool[]> seen(new bool[s_pad]);  // by key: whether a query of the pass sees it
-      alignas(64) float kbuf[kBlock * 64];
-      for (int64_t w = begin; w < end; ++w) {
-        const Item& it = items[w];
-        const T* q_rows[kChunk];
-        const bool* m_rows[kChunk];
-        T* o_rows[kChunk];
-        item_rows(it, q_rows, m_rows, o_rows);
-        const T *k_base = k_ptr + it.g * ks1, *v_base = v_ptr + it.g * vs1;
-        const int64_t* slots = kv_ptr + it.b * s_max;
-        switch (it.last - it.first) {
-#define SPECSTREAM_ATTEND(NQ)                                                                                       \
-  case NQ:                                                                                                          \
-    attend_queries<T, NQ>(q_rows, m_rows, o_rows, k_base, v_base, ks0, vs0, slots, ms3, s_max, scale, scores.data(), \
-                          s_pad, kbuf, seen.get());                                                                \
-    break;
-          SPECSTREAM_ATTEND(1)
-          SPECSTREAM_ATTEND(2)
-          SPECSTREAM_ATTEND(3)
-          SPECSTREAM_ATTEND(4)
-#undef SPECSTREAM_ATTEND
-        }
-      }
-    });
+    over_items([&] { return QueryScratch(s_pad); },
+               [&](QueryScratch& kept, auto nq, const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
+                 attend_queries<T, decltype(nq)::value>(q_rows, m_rows, o_rows, k_ptr + it.g * ks1, v_ptr + it.g * vs1,
+                                                        ks0, vs0, kv_ptr + it.b * s_max, ms3, s_max, scale,
+                                                        kept.scores.data(), s_pad, kept.kbuf, kept.seen.get());
+               });
     return;
   }
 #endif
