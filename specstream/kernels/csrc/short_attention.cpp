@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <limits>
 #include <memory>
@@ -339,26 +340,18 @@ void attend_queries(const T* const* q_rows, const bool* const* m_rows, T* const*
 // rows times the head's query heads: 27 queries at 9 rows of the bundled model) by pairs of dimensions, 16 keys a
 // vector: keys[32 b + p] lane i holds dimensions 2p, 2p + 1 of key 16 b + i. A query's scores of 16 keys are then
 // 32 VDPBF16PS of its broadcast pairs, one key a lane, with no sum across lanes (summing each query . key
-// product's 16 lanes cost more than the products). Keys no row of the sequence sees are zero (their slots may
-// hold anything, NaN included).
+// product's 16 lanes cost more than the products). Keys no row of the sequence sees (seen: by key, s_pad of them)
+// are zero: their slots may hold anything, NaN included.
 struct PairCache {
   int64_t b = -1, g = -1;  // whose keys it holds (b = -1: none)
   const __m512i* keys = nullptr;
-  std::vector<bool> seen;  // by key: whether a row of the sequence sees it
 
   void fill(int64_t b_, int64_t g_, const c10::BFloat16* k_base, int64_t k_stride, const int64_t* slots, int64_t s_max,
-            int64_t s_pad, const std::vector<const bool*>& masks, int64_t m_stride) {
+            int64_t s_pad, const std::vector<bool>& seen) {
     b = b_, g = g_;
     room.resize(2 * s_pad * 16 + 16);  // 2 * s_pad vectors, and room to align them to 64 bytes
     __m512i* out = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(room.data()) + 63) / 64 * 64);
     keys = out;
-    seen.assign(s_pad, false);
-    for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
-      const int64_t n = std::clamp<int64_t>(s_max - s0, 0, 16);
-      __mmask16 any = 0;
-      for (const bool* m : masks) any |= visible16(m, m_stride, s0, n);
-      for (int64_t i = 0; i < 16; ++i) seen[s0 + i] = any >> i & 1;
-    }
     const __m512i none = _mm512_setzero_si512();
     auto key = [&](int64_t s, int64_t h) {
       return seen[s] ? _mm512_loadu_si512(k_base + slots[s] * k_stride + 32 * h) : none;
@@ -785,10 +778,16 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     };
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      // each sequence's rows' masks (null: it sees every key), for the keys its PairCache holds
-      std::vector<std::vector<const bool*>> masks(rows_of.size());
+      // by sequence and key: whether a row of the sequence sees the key (the keys its PairCache holds)
+      std::vector<std::vector<bool>> seen_of(rows_of.size(), std::vector<bool>(s_pad));
       for (int64_t b = 0; b < static_cast<int64_t>(rows_of.size()); ++b)
-        for (int64_t i : rows_of[b]) masks[b].push_back(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr);
+        for (int64_t s0 = 0; s0 < s_pad; s0 += 16) {
+          const int64_t n = std::clamp<int64_t>(s_max - s0, 0, 16);
+          __mmask16 any = 0;
+          for (int64_t i : rows_of[b])
+            any |= visible16(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr, ms3, s0, n);
+          for (int64_t j = 0; j < 16; ++j) seen_of[b][s0 + j] = any >> j & 1;
+        }
       over_items(
           [&] {
             thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
@@ -802,7 +801,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
           [&](auto& kept, auto nq, const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
             auto& [cache, scores, probs, seen] = kept;
             if (cache->b != it.b || cache->g != it.g)
-              cache->fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, masks[it.b], ms3);
+              cache->fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, seen_of[it.b]);
             attend_pairs<decltype(nq)::value>(q_rows, m_rows, o_rows, *cache, v_ptr + it.g * vs1, vs0,
                                               kv_ptr + it.b * s_max, ms3, s_max, s_pad, scale, scores, probs, seen.get());
           });
