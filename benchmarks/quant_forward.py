@@ -16,6 +16,8 @@ from the sixth decode step on.
                                                                                    # specstream's CPU kernels
     python benchmarks/quant_forward.py --modes auto+compile --context 1024   # the steps over a longer cache
     python benchmarks/quant_forward.py --modes auto+compile --scattered   # each cache in blocks all over the pool
+    python benchmarks/quant_forward.py --modes auto+compile --rows 2 3 4 --context 512   # one sequence's short
+                                                      # verifications (a drafting step at one stream) beside decode
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def main() -> None:
                          "another shape, a prefill chunk's before the decode step; the CPU and its caches then carry "
                          "the other shape's state, which a server decoding steadily does not)")
     ap.add_argument("--timed", type=int, default=5, help="timed steps of a shape per repeat, one after another")
+    ap.add_argument("--rows", nargs="+", type=int, default=None,
+                    help="instead of the shapes above, one sequence's steps of these many rows (each checked: logits at "
+                         "every row), beside the decode step")
     ap.add_argument("--scattered", action="store_true",
                     help="each sequence's cache in blocks drawn at random from the whole pool, as a server's are "
                          "after hours of requests coming and going (default: one run of consecutive blocks each, as a "
@@ -75,6 +80,9 @@ def main() -> None:
         raise SystemExit("--lead-in must be between 0 and 50")
     if not 1 <= args.timed <= 50:
         raise SystemExit("--timed must be between 1 and 50")
+    if args.rows is not None and not all(2 <= n <= 64 for n in args.rows):
+        raise SystemExit("--rows takes row counts between 2 and 64")
+    shapes = SHAPES if args.rows is None else {"decode 1 row": [1], **{f"{n} rows": [n] for n in args.rows}}
     engines = {}
     for mode in args.modes:
         quantization, *options = mode.split("+")
@@ -96,11 +104,11 @@ def main() -> None:
                 table[:] = spread[i * len(table):(i + 1) * len(table)]  # sequence uses this pool: none is shared)
             engine.runner.forward([ForwardItem(table, 0, [7] * args.context, 1)])
             tables[mode].append(table)
-    steps: dict[tuple[str, str], list[float]] = {(m, s): [] for m in engines for s in SHAPES}
+    steps: dict[tuple[str, str], list[float]] = {(m, s): [] for m in engines for s in shapes}
     order = list(engines)
     for r in range(args.repeats):
         for mode in order if r % 2 == 0 else order[::-1]:
-            for shape, rows in SHAPES.items():
+            for shape, rows in shapes.items():
                 items = items_for(rows, tables[mode], args.context)
                 for _ in range(args.lead_in):  # as in serving, a step follows steps of its own shape
                     engines[mode].runner.forward(items)
@@ -110,17 +118,17 @@ def main() -> None:
                     steps[mode, shape].append(time.perf_counter() - start)
     best = {key: statistics.median(times) for key, times in steps.items()}
     base = order[0]
-    print(f"\n| forward, median ms (speed-up over {base}) [fastest] | " + " | ".join(SHAPES) + " |")
-    print("|---" * (len(SHAPES) + 1) + "|")
+    print(f"\n| forward, median ms (speed-up over {base}) [fastest] | " + " | ".join(shapes) + " |")
+    print("|---" * (len(shapes) + 1) + "|")
     for mode in order:
         cells = [f"{best[mode, s] * 1e3:.1f} ({best[base, s] / best[mode, s]:.2f}x) [{min(steps[mode, s]) * 1e3:.1f}]"
-                 for s in SHAPES]
+                 for s in shapes]
         print(f"| {mode} | " + " | ".join(cells) + " |")
-    print("\n| step cost / the same mode's decode step | " + " | ".join(list(SHAPES)[1:]) + " |")
-    print("|---" * len(SHAPES) + "|")
+    print("\n| step cost / the same mode's decode step | " + " | ".join(list(shapes)[1:]) + " |")
+    print("|---" * len(shapes) + "|")
     for mode in order:
         decode = best[mode, "decode 1 row"]
-        print(f"| {mode} | " + " | ".join(f"{best[mode, s] / decode:.2f}x" for s in list(SHAPES)[1:]) + " |")
+        print(f"| {mode} | " + " | ".join(f"{best[mode, s] / decode:.2f}x" for s in list(shapes)[1:]) + " |")
     print(f"\nCPU: {cpu_name()}; {torch.get_num_threads()} threads")
 
 

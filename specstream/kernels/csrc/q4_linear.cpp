@@ -39,7 +39,7 @@ constexpr int64_t kTile = 16;  // outputs per tile
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 12;  // rows of x per pass over a tile
 
-// The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 4 rows of bfloat16 x; scalar without AVX-512),
+// The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 2 rows of bfloat16 x; scalar without AVX-512),
 // 1 AMX-BF16 tiles (bfloat16 x only).
 constexpr int64_t kVector = 0, kAmx = 1;
 // AMX pays from this many rows of bfloat16 x, fewer take the vector path. Timed alone on a 2-core Xeon with AMX over
@@ -205,13 +205,15 @@ void amx_tile(const uint16_t* x, const float* xsum, int64_t k, int64_t rows, con
 #endif
 
 // One pass of ROWS rows over a tile: with bfloat16 x where the CPU multiplies bfloat16 pairs (xb, its bits)
-// and there are 4 rows or more, else in float32 (x). At 1-3 rows the float32 path was as fast or up to 6%
-// faster (reading the codes bounds it); from 4 rows the pairs win, 1.2-1.7x at 9-16 rows.
+// and there are 2 rows or more, else in float32 (x). Timed alone on one weight (read from the cache), the float32
+// path was as fast at 1-3 rows; in a forward, where every weight comes from memory, the pairs made a step of 2 or 3
+// rows cheaper (the README's kernels section), and one row is as fast either way. From 4 rows the pairs win alone
+// too, 1.2-1.7x at 9-16 rows.
 template <int64_t ROWS, int64_t CHAINS, typename S>
 inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t k, const uint8_t* codes, const S* scales,
                  const S* mins, __m512* out) {
 #if defined(__AVX512BF16__)
-  if (ROWS >= 4 && xb != nullptr) {
+  if (ROWS >= 2 && xb != nullptr) {
     tile_rows_bf16<ROWS, CHAINS>(xb, xsum, k, codes, scales, mins, out);
     return;
   }
