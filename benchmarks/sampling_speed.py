@@ -1,5 +1,6 @@
 """Sampled decoding with the sampling kernels (kernels/csrc/sample_rows.cpp: sampling.draw's token and
-probabilities_for's distributions) against torch's ops (torch_probabilities_for and sample_from), side by side in
+probabilities_for's distributions) against torch's ops (torch_probabilities_for and sample_from), or at
+--temperature 0 greedy decoding with the argmax kernel (sampling.argmax_rows) against torch.argmax, side by side in
 one process: one engine, the two alternated group by group of open-chat conversations (the trace of
 benchmarks/open_chat_trace.py, whose data it fetches), each group's conversations in flight together (each
 answered turn sends that conversation's next turn at once, as the served benchmark's clients do).
@@ -11,6 +12,8 @@ drafted and accepted with each).
     python benchmarks/sampling_speed.py --top-p 0.9 --streams 1 8        # rows cut to their top-p (torch sorts)
     python benchmarks/sampling_speed.py --method eagle --top-p 0.9 --streams 1 8   # the head's sampled drafts' q
     python benchmarks/sampling_speed.py --rows 1 9 16 --top-p 0.9       # the distributions alone, no engine
+    python benchmarks/sampling_speed.py --temperature 0 --streams 1 8    # greedy: the argmax kernel
+    python benchmarks/sampling_speed.py --temperature 0 --rows 1 4 9 16  # the argmax alone, no engine
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rows", type=int, nargs="+", help="time probabilities_for alone on random logits of these row counts")
     args = ap.parse_args()
-    if not 0 < args.temperature <= 2:
-        raise SystemExit("--temperature must be in (0, 2]: greedy rows are not drawn")
+    if not 0 <= args.temperature <= 2:
+        raise SystemExit("--temperature must be in [0, 2] (0: greedy, the argmax kernel)")
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise SystemExit("--top-p must be in (0, 1] and --top-k at least 0")
     if not 2 <= args.groups <= 20 or not all(1 <= s <= 64 for s in args.streams):
@@ -81,18 +84,23 @@ def main() -> None:
 
 
 def distributions(args: argparse.Namespace) -> None:
-    """probabilities_for on random logits of the bundled model's vocabulary: the kernel against torch's ops,
-    alternated, the best of 30 runs each."""
+    """probabilities_for (at --temperature 0: argmax_rows) on random logits of the bundled model's vocabulary: the
+    kernel against torch's ops, alternated, the best of 30 runs each."""
     if not sampling.cpu_kernels.load():
         raise SystemExit("specstream's CPU kernels are not built here: nothing to compare")
-    print(f"probabilities_for, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, 49152 tokens; CPU: {cpu_name()}; 2 threads")
+    what = "argmax_rows" if args.temperature == 0 else "probabilities_for"
+    print(f"{what}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, 49152 tokens; CPU: {cpu_name()}; 2 threads")
     g = torch.Generator().manual_seed(0)
     for rows in args.rows:
         logits = torch.randn(rows, 49152, generator=g) * 3
         params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)] * rows
+        if args.temperature == 0:
+            fns = (("kernel", lambda x, _: sampling.argmax_rows(x)), ("torch", lambda x, _: x.argmax(-1)))
+        else:
+            fns = (("kernel", sampling.probabilities_for), ("torch", sampling.torch_probabilities_for))
         best = {"kernel": float("inf"), "torch": float("inf")}
         for _ in range(30):
-            for name, fn in (("kernel", sampling.probabilities_for), ("torch", sampling.torch_probabilities_for)):
+            for name, fn in fns:
                 start = time.perf_counter()
                 fn(logits, params)
                 best[name] = min(best[name], time.perf_counter() - start)

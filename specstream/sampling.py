@@ -301,6 +301,16 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over logits [R, V] (the first of equal largest logits, as torch.argmax gives it): what
+    greedy decoding and greedy verification take. float32 rows on CPU take specstream's kernel where it is loaded
+    (kernels/csrc/sample_rows.cpp: two vector passes a row, where torch's reduction takes about 30 us over the
+    bundled model's 49152 logits); others torch.argmax."""
+    if _kernel_serves(logits):
+        return torch.ops.specstream.argmax_rows(logits.contiguous())
+    return logits.argmax(-1)
+
+
 def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
     """A token per row of logits [R, V] from its distribution (probabilities_for) by its uniform [R]: what plain
     decoding and every one-hot verification draw, so that both draw the same token. float32 rows on CPU take

@@ -177,6 +177,36 @@ def test_the_sampling_kernel_draws_the_tokens_torchs_ops_draw(vocab):
     assert draw(transposed, params, us).tolist() == drawn.tolist()
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 300, 49152, 49189])
+def test_the_argmax_kernel_gives_torchs_argmax(vocab):
+    """sampling.argmax_rows's kernel (csrc/sample_rows.cpp), which greedy decoding and verification take, against
+    torch.argmax: the first of equal largest logits (ties placed in the vector body, the tail and across them), rows
+    of -inf, a NaN counted as the largest (its first), and rows laid out with another stride."""
+    from specstream.sampling import argmax_rows
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[1] = float("-inf")
+    logits[2] = 0.0  # every logit the largest: the first
+    logits[3, vocab // 2 :] = logits[3].max() + 1  # the largest from the middle on
+    logits[4, -1] = float("inf")
+    logits[5, vocab // 3] = logits[5, -1] = float("nan")
+    logits[6] = float("nan")
+    logits[7, -1] = -0.0
+    logits[7, :-1] = float("-inf")
+    for r in range(8, rows):  # the row's largest value again at a random later place, or earlier
+        j, m = int(torch.randint(vocab, (1,), generator=g)), int(logits[r].argmax())
+        logits[r, j] = logits[r, m]
+    expected = logits.argmax(-1)
+    assert argmax_rows(logits).tolist() == expected.tolist()
+    assert [int(argmax_rows(logits[i : i + 1])[0]) for i in range(rows)] == expected.tolist()
+    transposed = logits.t().contiguous().t()
+    assert argmax_rows(transposed).tolist() == expected.tolist()
+    assert argmax_rows(logits[:0]).shape == (0,)
+
+
 def test_the_sampling_kernel_draws_each_token_at_its_probability():
     from specstream.sampling import draw, torch_probabilities_for
 

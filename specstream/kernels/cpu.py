@@ -12,7 +12,8 @@
   (which otherwise sum a row's squares in different orders) normalize a row to the same bits.
 - `sample_rows`: a token per row drawn from softmax(logits / temperature), cut to its top-k and top-p, with the
   row's uniform, in a few passes over the logits and no sort of the vocabulary (sampling.draw); and
-  `probability_rows`, the same distributions whole (sampling.probabilities_for).
+  `probability_rows`, the same distributions whole (sampling.probabilities_for); `argmax_rows`, each row's
+  argmax as torch.argmax gives it, in two vector passes (sampling.argmax_rows: greedy decoding and verification).
 
 The kernels are built with the C++ compiler and the vector instruction set that inductor uses on this
 machine (the compiled forward needs both anyway), into cache_dir()/kernels/<key>, where the key covers
@@ -55,6 +56,7 @@ _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniforms) -> Tensor")
 _lib.define("probability_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p) -> Tensor")
+_lib.define("argmax_rows(Tensor logits) -> Tensor")
 
 
 @torch.library.register_fake("specstream::short_attention")
@@ -90,6 +92,11 @@ def _sample_rows_shape(logits, temperature, top_k, top_p, uniforms):
 @torch.library.register_fake("specstream::probability_rows")
 def _probability_rows_shape(logits, temperature, top_k, top_p):
     return logits.new_empty(logits.shape)
+
+
+@torch.library.register_fake("specstream::argmax_rows")
+def _argmax_rows_shape(logits):
+    return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 @torch.library.register_fake("specstream::a8_quantize")

@@ -46,6 +46,7 @@ from specstream.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     STREAM_TREE_ACCEPT,
+    argmax_rows,
     apply_penalties,
     draw,
     probabilities_for,
@@ -218,7 +219,7 @@ def _verify_tree(r: Round, rows: torch.Tensor) -> RoundResult:
     rows: the round's penalized logits, [k + 1, V]."""
     parents = r.draft.parents
     if r.seq.params.greedy:
-        choice = rows.argmax(-1).tolist()
+        choice = argmax_rows(rows).tolist()
     else:
         # Row 0 decides the next output position; row j + 1 the one after draft j's depth.
         depth = [0] + draft_depths(parents)
@@ -273,7 +274,7 @@ def _verify_tree_with_q(r: Round, rows: torch.Tensor) -> RoundResult:
 
 
 def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    return _match(rounds, [x.argmax(-1) for x in logits])
+    return _match(rounds, [argmax_rows(x) for x in logits])
 
 
 def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
