@@ -304,8 +304,8 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax over logits [R, V] (the first of equal largest logits, as torch.argmax gives it): what
     greedy decoding and greedy verification take. float32 rows on CPU take specstream's kernel where it is loaded
-    (kernels/csrc/sample_rows.cpp: two vector passes a row, where torch's reduction takes about 30 us over the
-    bundled model's 49152 logits); others torch.argmax."""
+    (kernels/csrc/sample_rows.cpp: two vector passes a row, where torch's reduction walks the row scalar by
+    scalar); others torch.argmax."""
     if _kernel_serves(logits):
         return torch.ops.specstream.argmax_rows(logits.contiguous())
     return logits.argmax(-1)

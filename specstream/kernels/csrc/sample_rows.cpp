@@ -3,7 +3,7 @@
 // draw (sampling.draw, sample_rows). And the same distributions whole (probability_rows): what a sampled draft's q
 // and the rows verifying it take (sampling.probabilities_for), so that a round's p and q are cut the same way
 // plain decoding cuts. And each row's argmax (argmax_rows): what greedy decoding and every greedy verification
-// take, where torch's reduction walks a row of 49152 logits in about 30 us.
+// take, in two vector passes where torch's reduction walks the row scalar by scalar.
 //
 // Why. The torch version divides the logits by the temperature, takes the softmax, sums the probabilities into
 // a float64 running sum and searches it: four passes over [rows, vocabulary], three new tensors, and a running
