@@ -307,7 +307,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     (kernels/csrc/sample_rows.cpp: two vector passes a row, where torch's reduction walks the row scalar by
     scalar); others torch.argmax."""
     if _kernel_serves(logits):
-        return torch.ops.specstream.argmax_rows(logits.contiguous())
+        return torch.ops.specstream.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.argmax(-1)
 
 
@@ -320,7 +320,8 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
     differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
     before a token against top_p, falls within rounding of a boundary."""
     if _kernel_serves(logits):
-        # The kernel reads rows with a unit last stride: a view of another layout is copied first.
+        # The kernel reads rows with a unit last stride (any step between rows): a view of another layout is copied.
         columns = _kernel_columns(row_params)
-        return torch.ops.specstream.sample_rows(logits.contiguous(), *columns, uniforms.to(torch.float64))
+        rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+        return torch.ops.specstream.sample_rows(rows, *columns, uniforms.to(torch.float64))
     return sample_from(torch_probabilities_for(logits, row_params), uniforms)

@@ -150,3 +150,37 @@ def test_one_hot_rounds_draw_the_rows_their_walk_reaches_and_the_same_tokens_as_
                 n += 1
             assert (res.num_accepted, res.tokens) == (n, r.draft.tokens[:n] + [every_row[n]])
         assert sum(computed) == sum(res.num_accepted + 1 for res in results)
+
+
+def test_rows_at_equal_steps_of_one_step_are_drawn_from_a_view_and_draw_the_tokens_a_copy_draws():
+    """Plain decoding's rows of a sampled step lie one after another in the step's logits: the one-hot walk draws
+    them from a view of that memory (no copy of every row a step), and the tokens are those of rows copied out.
+    Rows that do not lie at equal steps (rounds with drafts, rows of separate tensors) are copied as before."""
+    import specstream.spec_decode.verify as verify
+    from specstream.sampling import SamplingParams
+    from specstream.sequence import Sequence
+    from specstream.spec_decode.proposer import Draft
+
+    g = torch.Generator().manual_seed(5)
+    step = torch.randn(7, 300, generator=g) * 3
+    rows = list(step.split([1] * 7))
+    view = verify._stacked([r[0] for r in rows])
+    assert view.data_ptr() == step.data_ptr() and torch.equal(view, step)
+    assert verify._stacked([rows[2][0]]).data_ptr() == step[2].data_ptr()
+    every_other = verify._stacked([step[0], step[2], step[4]])
+    assert every_other.data_ptr() == step.data_ptr() and torch.equal(every_other, step[::2][:3])
+    uneven = verify._stacked([step[0], step[1], step[3]])
+    assert uneven.data_ptr() != step.data_ptr() and torch.equal(uneven, step[[0, 1, 3]])
+    apart = [torch.randn(300, generator=g) for _ in range(3)]
+    assert torch.equal(verify._stacked(apart), torch.stack(apart))
+
+    def rounds_of(logits):
+        out = []
+        for j, row in enumerate(logits):
+            params = SamplingParams(temperature=[0.5, 1.0][j % 2], seed=j)
+            out.append(verify.Round(Sequence(f"r{j}", [1, 2, 3], params, 0, seed=j), Draft([]), row))
+        return out
+
+    shared = verify.verify_round(rounds_of(rows))
+    copied = verify.verify_round(rounds_of([r.clone() for r in rows]))
+    assert [r.tokens for r in shared] == [r.tokens for r in copied]

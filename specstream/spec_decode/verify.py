@@ -287,7 +287,7 @@ def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[li
     accepted, following = [0] * len(rounds), [0] * len(rounds)
     live, depth = list(range(len(rounds))), 0
     while live:
-        rows = torch.stack([logits[i][depth] for i in live])
+        rows = _stacked([logits[i][depth] for i in live])
         us = torch.tensor(
             [uniform(rounds[i].seq.seed, rounds[i].seq.num_output_tokens + depth, STREAM_SAMPLE) for i in live],
             dtype=torch.float64,
@@ -303,6 +303,20 @@ def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[li
                 following[i] = y
         live, depth = going, depth + 1
     return accepted, following
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [V] as one tensor [len(rows), V]: a view where they lie at equal steps in one tensor's memory (the
+    decoding sequences' rows of a step's logits, one after another, as plain decoding's are), else a copy."""
+    first, size = rows[0], rows[0].element_size()
+    step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else first.numel() * size
+    evenly = step >= first.numel() * size and step % size == 0 and all(
+        r.shape == first.shape and r.stride() == (1,) and r.dtype == first.dtype
+        and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and r.data_ptr() - first.data_ptr() == i * step
+        for i, r in enumerate(rows)
+    )
+    return first.as_strided((len(rows), first.shape[0]), (step // size, 1)) if evenly else torch.stack(rows)
 
 
 def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
