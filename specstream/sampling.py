@@ -263,7 +263,7 @@ def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) ->
     top-k or top-p cost more than the step's forward); others torch_probabilities_for. The two round differently,
     and order tied logits differently for top-k."""
     if _kernel_serves(logits):
-        return torch.ops.specstream.probability_rows(logits.contiguous(), *_kernel_columns(row_params))
+        return torch.ops.specstream.probability_rows(_unit_rows(logits), *_kernel_columns(row_params))
     return torch_probabilities_for(logits, row_params)
 
 
@@ -282,6 +282,12 @@ def torch_probabilities_for(logits: torch.Tensor, row_params: list[SamplingParam
 def _kernel_serves(logits: torch.Tensor) -> bool:
     """Whether the sampling kernels take these logits: float32 rows on CPU, the kernels loaded."""
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[0] > 0 and cpu_kernels.loaded()
+
+
+def _unit_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits as the kernels read them: rows with a unit last stride, any step between rows (a view of another
+    layout is copied)."""
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
 def _kernel_columns(row_params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -307,7 +313,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     (kernels/csrc/sample_rows.cpp: two vector passes a row, where torch's reduction walks the row scalar by
     scalar); others torch.argmax."""
     if _kernel_serves(logits):
-        return torch.ops.specstream.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+        return torch.ops.specstream.argmax_rows(_unit_rows(logits))
     return logits.argmax(-1)
 
 
@@ -320,8 +326,6 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
     differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
     before a token against top_p, falls within rounding of a boundary."""
     if _kernel_serves(logits):
-        # The kernel reads rows with a unit last stride (any step between rows): a view of another layout is copied.
         columns = _kernel_columns(row_params)
-        rows = logits if logits.stride(-1) == 1 else logits.contiguous()
-        return torch.ops.specstream.sample_rows(rows, *columns, uniforms.to(torch.float64))
+        return torch.ops.specstream.sample_rows(_unit_rows(logits), *columns, uniforms.to(torch.float64))
     return sample_from(torch_probabilities_for(logits, row_params), uniforms)

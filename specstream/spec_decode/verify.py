@@ -310,10 +310,10 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     decoding sequences' rows of a step's logits, one after another, as plain decoding's are), else a copy."""
     first, size = rows[0], rows[0].element_size()
     step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else first.numel() * size
+    base = first.untyped_storage().data_ptr()
     evenly = step >= first.numel() * size and step % size == 0 and all(
         r.shape == first.shape and r.stride() == (1,) and r.dtype == first.dtype
-        and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and r.data_ptr() - first.data_ptr() == i * step
+        and r.untyped_storage().data_ptr() == base and r.data_ptr() - first.data_ptr() == i * step
         for i, r in enumerate(rows)
     )
     return first.as_strided((len(rows), first.shape[0]), (step // size, 1)) if evenly else torch.stack(rows)
