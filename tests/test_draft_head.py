@@ -4,6 +4,7 @@ head (rollback, preemption, losslessness) and bad head directories."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.spec_decode.draft_head import ARCHITECTURE, HeadError, load_head, read_config, save_head, weight_names
+from specstream.calibration import CostModel
 from specstream.spec_decode.eagle import EagleProposer
 from specstream.spec_decode.proposer import Draft
 from specstream.model.runner import ForwardItem
@@ -263,6 +265,33 @@ def test_waiting_features_are_counted_and_hold_only_their_own_rows(trained, targ
             assert 0 < state.num_pending <= len(state.waiting)
             assert state.waiting._base is None  # the sequence's own storage
             assert state.base + state.fed + state.num_pending == len(seq.token_ids) - 1
+
+
+def test_the_heads_cost_curve_follows_what_its_rounds_take(trained, target_dir, chats, monkeypatch):
+    """The head's passes are timed once at start-up, from hot caches; each drafting round then corrects the curve
+    with what its passes took (host work included), so a head that runs slower than timed is priced as it runs."""
+    engine = engine_for(target_dir, "eagle", trained[0], k=4)
+    proposer = engine.proposer
+    proposer.cost = CostModel([1, 2, 4], [1e-5, 1.5e-5, 2e-5])  # far below what a pass takes here
+    step = proposer.head.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.002)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(proposer.head, "step", slow_step)
+    seq = engine.prepare(chats[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.submit(seq)
+    for _ in range(8):
+        engine.step()
+    assert seq.stats.drafted > 0
+    assert proposer.cost.observed >= 8  # every pass of every round: the catch-up and one a further depth
+    assert proposer.cost(1) > 10 * 1e-5  # moved toward the 2 ms each pass now takes
+    assert proposer.cost(2) >= proposer.cost(1)
+    assert proposer._passes is None  # no round in flight: calibration's passes (time_steps) are not observed
+    observed = proposer.cost.observed
+    proposer.propose([seq], [0])  # a round that drafts nothing runs no pass and teaches nothing
+    assert proposer.cost.observed == observed
 
 
 def head_drafting(target_dir, head_dir, chat, outputs: int = 4):

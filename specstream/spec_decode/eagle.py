@@ -32,6 +32,7 @@ for a while (auto's head dormant: no features tapped) at the first position hand
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,11 @@ class EagleProposer(Proposer):
         self.width = width
         self.aux_layers = head.cfg.aux_layers
         self._mask: DraftMask | None = None  # [structured]
-        self.cost: CostModel | None = None  # one head pass over n sequences, set by calibrate()
+        # One head pass over n sequences (or n rows of one), timed by calibrate() and corrected by every round
+        # the head drafts (_learn): timed at start-up its pass runs from hot caches, and in serving it follows
+        # the target's forward, which has pushed the head's weights and cache out of them.
+        self.cost: CostModel | None = None
+        self._passes: list[int] | None = None  # while a round drafts: the rows of each head pass it ran
         # The target's forward time by tokens, set by the engine after its calibration: with it,
         # each chain stops where its drafts stop paying (ChainJudge); without it chains run to k.
         self.target_cost: CostModel | None = None
@@ -187,6 +192,27 @@ class EagleProposer(Proposer):
         return max(self.cost(state.num_pending) - self.cost(1), 0.0)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        started, self._passes = time.perf_counter(), []
+        try:
+            return self._propose(seqs, ks)
+        finally:
+            self._learn(time.perf_counter() - started)
+
+    def _learn(self, seconds: float) -> None:
+        """The round's passes took `seconds` in all, with the host work around them (feeding the waiting rows,
+        choosing each depth's tokens, growing trees): each pass's share of it, in proportion to its price, corrects
+        the cost curve (CostModel.observe), as the target's steps correct the target's. auto prices the head's
+        rounds from this curve (a head step per draft, the waiting rows' catch-up pass): priced as timed at
+        start-up they looked several times cheaper than they ran, and a head that rarely paid was picked."""
+        passes, self._passes = self._passes, None
+        if self.cost is None or not passes:
+            return
+        priced = [self.cost(n) for n in passes]
+        total = sum(priced)
+        for n, price in zip(passes, priced):
+            self.cost.observe(n, seconds * price / total)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None, "eagle") for _ in seqs]
         base = self.take_step_base(len(seqs))
         self._trust_now.clear()
@@ -394,6 +420,8 @@ class EagleProposer(Proposer):
         return torch.stack(out_logits), torch.stack(out_hidden)
 
     def _step(self, items: list[ForwardItem], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._passes is not None:  # a drafting round's pass, priced as cost(its rows) (calibrate's are not)
+            self._passes.append(sum(len(item.tokens) for item in items))
         tokens, positions, ctx, keep = pack(self.pool, items)
         return self.head.step(tokens, hidden, positions, ctx, keep)
 
