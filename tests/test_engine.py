@@ -426,6 +426,31 @@ def test_a_draft_model_catches_up_within_the_step_budget(tiny_model_dir, tiny_dr
     e.proposer.release(seq)
 
 
+def test_the_draft_models_cost_curve_follows_what_its_passes_take(tiny_model_dir, tiny_draft_dir):
+    """Each draft pass (its forward and its choice of tokens) corrects the draft model's cost curve, timed once at
+    start-up: a pass that runs slower than timed is priced as it runs."""
+    from specstream.calibration import CostModel
+
+    e = engine(tiny_model_dir, "draft", k=3, spec={"draft_model": str(tiny_draft_dir)})
+    e.proposer.cost = CostModel([1, 2, 4], [1e-6, 2e-6, 3e-6])  # far below what a pass takes
+    passes = []
+    propose = e.proposer.propose
+
+    def counted(seqs, ks):  # the forwards a round runs (prefill's, following the target's chunks, are not passes)
+        real = e.proposer.runner.forward
+        e.proposer.runner.forward = lambda items: (passes.append(len(items)), real(items))[1]
+        try:
+            return propose(seqs, ks)
+        finally:
+            e.proposer.runner.forward = real
+
+    e.proposer.propose = counted
+    out = e.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.stats.drafted > 0
+    assert e.proposer.cost.observed == len(passes) > 0  # every drafting pass
+    assert e.proposer.cost(1) > 5 * 1e-6
+
+
 def test_the_proposer_is_told_the_step_its_drafts_join(tiny_model_dir):
     """Each drafting step, before propose(), the proposer learns the step's rows before drafts (every decoding
     sequence's next token and the prefill chunks beside them) and the tokens it emits without drafts."""
