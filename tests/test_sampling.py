@@ -285,6 +285,25 @@ def test_the_probability_kernel_is_the_distribution_the_sampling_kernel_draws_fr
     assert sample_from(probabilities_for(logits, params), us).tolist() == draw(logits, params, us).tolist()
 
 
+def test_the_kernels_buffers_kept_between_calls_carry_nothing_from_one_call_to_the_next():
+    """The sampling kernels keep each thread's buffers from call to call: a call after calls over larger and
+    smaller vocabularies, with and without top-k and top-p, draws and distributes exactly as it did first."""
+    from specstream.sampling import draw, probabilities_for
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 300, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.0)] * 2
+    us = torch.rand(6, generator=g, dtype=torch.float64)
+    first, first_p = draw(logits, params, us).tolist(), probabilities_for(logits, params)
+    for vocab in (49152, 7, 1000):
+        other = torch.randn(6, vocab, generator=g) * 3
+        draw(other, params, us), probabilities_for(other, params)
+    assert draw(logits, params, us).tolist() == first
+    assert torch.equal(probabilities_for(logits, params), first_p)
+
+
 def test_probabilities_for_takes_torchs_ops_where_the_kernel_does_not_serve():
     """bfloat16 logits (and CUDA, and a machine without the kernels) take torch's ops, as before."""
     from specstream.sampling import probabilities_for, torch_probabilities_for

@@ -196,9 +196,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(vocab);
-    std::vector<double> sums((vocab + kBlock - 1) / kBlock);
-    std::vector<Candidate> cand;
+    // A thread's buffers, kept from call to call (a call a decoding step): made for each call, the masses' row
+    // (196 KB at the bundled model's vocabulary) was mapped, zeroed and unmapped again every step, and top-k's and
+    // top-p's candidates regrown. Every mass is written before it is read (masses_row), so none is cleared.
+    thread_local std::vector<float> e;
+    thread_local std::vector<double> sums;
+    thread_local std::vector<Candidate> cand;
+    if (static_cast<int64_t>(e.size()) < vocab) e.resize(vocab);
+    if (static_cast<int64_t>(sums.size()) < (vocab + kBlock - 1) / kBlock) sums.resize((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r)
       op[r] = draw_row(x + r * stride, vocab, tp[r], kp[r], pp[r], up[r], e.data(), sums.data(), cand);
   });
@@ -221,8 +226,9 @@ at::Tensor probability_rows(const at::Tensor& logits, const at::Tensor& temperat
   float* op = out.data_ptr<float>();
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> sums((vocab + kBlock - 1) / kBlock);
-    std::vector<Candidate> cand;
+    thread_local std::vector<double> sums;  // kept from call to call, as sample_rows keeps its buffers
+    thread_local std::vector<Candidate> cand;
+    if (static_cast<int64_t>(sums.size()) < (vocab + kBlock - 1) / kBlock) sums.resize((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r) {
       float* e = op + r * vocab;
       masses_row(x + r * stride, vocab, tp[r], kp[r], pp[r], e, cand);
