@@ -184,3 +184,49 @@ def test_rows_at_equal_steps_of_one_step_are_drawn_from_a_view_and_draw_the_toke
     shared = verify.verify_round(rounds_of(rows))
     copied = verify.verify_round(rounds_of([r.clone() for r in rows]))
     assert [r.tokens for r in shared] == [r.tokens for r in copied]
+
+
+def test_greedy_rounds_lying_one_after_another_take_one_argmax_call_and_match_as_each_alone(monkeypatch):
+    """A step's greedy rounds (plain rows and drafted chains) split from one logits tensor are one run: a single
+    argmax call over a view of the step's memory, no copy. A round whose rows are elsewhere (a penalized or masked
+    copy) splits the runs around it. Either way each round accepts what verifying it alone accepts."""
+    import specstream.spec_decode.verify as verify
+    from specstream.sampling import SamplingParams
+    from specstream.sequence import Sequence
+    from specstream.spec_decode.proposer import Draft
+
+    g = torch.Generator().manual_seed(11)
+    ks = [0, 3, 0, 2, 5, 0, 1]
+    step = torch.randn(sum(k + 1 for k in ks), 400, generator=g) * 3
+    blocks = list(step.split([k + 1 for k in ks]))
+    best = step.argmax(-1).tolist()
+
+    def rounds_of(logits):
+        out, at = [], 0
+        for j, (k, rows) in enumerate(zip(ks, logits)):
+            # drafts the target keeps for j // 2 rows, then one it does not: every length of acceptance comes up
+            keep = min(j // 2, k)
+            tokens = best[at : at + keep] + [(best[at + keep] + 1) % 400] * (k - keep)
+            out.append(verify.Round(Sequence(f"g{j}", [1, 2, 3], SamplingParams(temperature=0), 0), Draft(tokens), rows))
+            at += k + 1
+        return out
+
+    runs = verify._runs(blocks)
+    assert len(runs) == 1 and runs[0].data_ptr() == step.data_ptr() and torch.equal(runs[0], step)
+    moved = blocks[:3] + [blocks[3].clone()] + blocks[4:]
+    split = verify._runs(moved)
+    assert [r.shape[0] for r in split] == [1 + 4 + 1, 3, 6 + 1 + 2] and torch.equal(torch.cat(split), step)
+    assert split[0].data_ptr() == step.data_ptr() and split[2].data_ptr() == blocks[4].data_ptr()
+
+    calls = []
+    real = verify.argmax_rows
+    monkeypatch.setattr(verify, "argmax_rows", lambda x: calls.append(x.shape[0]) or real(x))
+    together = verify.verify_round(rounds_of(blocks))
+    assert calls == [len(step)]
+    calls.clear()
+    around = verify.verify_round(rounds_of(moved))
+    assert calls == [6, 3, 9]
+    alone = [verify.verify_round([r])[0] for r in rounds_of([b.clone() for b in blocks])]
+    expected = [(r.num_accepted, r.tokens) for r in alone]
+    assert [(r.num_accepted, r.tokens) for r in together] == expected == [(r.num_accepted, r.tokens) for r in around]
+    assert [r.num_accepted for r in together] == [min(j // 2, k) for j, k in enumerate(ks)]

@@ -274,7 +274,9 @@ def _verify_tree_with_q(r: Round, rows: torch.Tensor) -> RoundResult:
 
 
 def _verify_greedy(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    return _match(rounds, [argmax_rows(x) for x in logits])
+    """The target's argmax at every row, one kernel call per run of rounds whose rows lie one after another in a
+    step's logits (all of a step's greedy rounds, unless sampled or masked rounds sit between them), then matched."""
+    return _match(rounds, [argmax_rows(run) for run in _runs(logits)])
 
 
 def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
@@ -303,6 +305,32 @@ def _verify_one_hot(rounds: list[Round], logits: list[torch.Tensor]) -> tuple[li
                 following[i] = y
         live, depth = going, depth + 1
     return accepted, following
+
+
+def _runs(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row blocks [n_i, V] (each round's logits) joined into runs: a view over each maximal run of blocks that follow
+    one another in one tensor's memory (as Engine._rounds splits a step's logits), a block alone where the next is
+    elsewhere (a copy: penalized or grammar-masked rows). The runs hold the blocks' rows in order."""
+    runs, start = [], 0
+    for i in range(1, len(blocks) + 1):
+        if i < len(blocks) and _follows(blocks[i - 1], blocks[i]):
+            continue
+        first, rows = blocks[start], sum(b.shape[0] for b in blocks[start:i])
+        runs.append(first if i - start == 1 else first.as_strided((rows, first.shape[1]), first.stride()))
+        start = i
+    return runs
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether block b's rows start where block a's end, at a's row step, in the same memory."""
+    return (
+        a.dim() == b.dim() == 2
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.shape[1] == b.shape[1]
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.shape[0] * a.stride(0) * a.element_size()
+    )
 
 
 def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -338,13 +366,14 @@ def _verify_with_q(rounds: list[Round], probs: list[torch.Tensor]) -> tuple[torc
 
 
 def _match(rounds: list[Round], choices: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """accept_by_match over rounds of different k: choices[j] is round j's target token per row. The choices
-    are read back at once and matched in Python: a step's rounds hold a few dozen rows, fewer than padding
-    them into tensors is worth, on every step, plain decoding's included."""
-    flat, at = torch.cat(choices).tolist(), 0
+    """accept_by_match over rounds of different k: choices, joined, hold the target's token at every row of the
+    rounds in order (round j's k_j + 1 rows, then round j + 1's). The choices are read back at once and matched in
+    Python: a step's rounds hold a few dozen rows, fewer than padding them into tensors is worth, on every step,
+    plain decoding's included."""
+    flat, at = (choices[0] if len(choices) == 1 else torch.cat(choices)).tolist(), 0
     accepted, following = [], []
-    for r, c in zip(rounds, choices):
-        row, at = flat[at : at + len(c)], at + len(c)
+    for r in rounds:
+        row, at = flat[at : at + r.k + 1], at + r.k + 1
         n = 0
         for draft, target in zip(r.draft.tokens, row):
             if draft != target:
