@@ -2,6 +2,7 @@
 the proposer through the engine (greedy output equals plain; later requests draft from earlier outputs),
 auto's pricing of suffix drafts, the forward-time curve learned online, and rounds by method in the chunks."""
 
+import itertools
 import math
 import random
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from specstream.kernels.suffix_tree import SuffixTree  # noqa: E402
+from specstream.sequence import Sequence  # noqa: E402
 from specstream.spec_decode.suffix import GlobalSuffixCache, SuffixProposer  # noqa: E402
 
 
@@ -142,6 +144,57 @@ def test_the_global_cache_keeps_the_newest_requests_and_keeps_salts_apart():
     cache.add("tenant-b", [13, 14])  # both earlier ones dropped; salt None's tree is freed whole
     assert len(cache) == 2 and cache.num_nodes < nodes + 10
     assert GlobalSuffixCache(8, 0, 100).add(None, [1, 2]) is None  # 0 keeps nothing
+
+
+def test_a_draft_names_the_sequence_that_last_wrote_its_first_token():
+    tree = SuffixTree(8)
+    tree.extend(3, [1, 2, 3, 4, 5])
+    tree.extend(7, [9, 2, 3, 6])
+    assert tree.speculate([1, 2, 3], 4, 1.0, 0.1)[0] == [4, 5] and tree.source() == 3
+    assert tree.speculate_tree([9, 2, 3], 4, 1.0, 0.1)[0] == [6] and tree.source() == 7
+    tree.extend(11, [1, 2, 3, 4])  # a later writer of the same text takes its nodes
+    assert tree.speculate([1, 2, 3], 4, 1.0, 0.1)[0][:1] == [4] and tree.source() == 11
+    assert tree.speculate([42], 4, 1.0, 0.1) == ([], [], 0) and tree.source() == -1
+    tree.extend(2**40 + 5, [20, 21, 22])  # ids are named by their low 31 bits
+    assert tree.speculate([20, 21], 4, 1.0, 0.1)[0] == [22] and tree.source() == (2**40 + 5) & 0x7FFFFFFF
+
+
+def test_the_global_cache_drops_the_least_recently_used_request_not_the_oldest():
+    """A request whose text a taken draft continues is used: a burst of other requests drops the ones no draft
+    came from first (before, the oldest went, however often drafts came from it)."""
+    cache = GlobalSuffixCache(max_depth=8, max_requests=2, max_tokens=100)
+    cache.add(None, [1, 2, 3, 4, 5])
+    cache.add(None, [6, 7, 8, 9])
+    assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == [4, 5]
+    cache.used()
+    cache.add(None, [10, 11, 12])  # drops [6, 7, 8, 9], the least recently used
+    assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == [4, 5]
+    assert cache.speculate(None, [6, 7, 8], 1, 1.0, 0.0)[0] == []
+    cache.used()  # the latest speculate drafted nothing: nothing is used
+    cache.add(None, [13, 14])  # drops [1, 2, 3, 4, 5]: used before [10, 11, 12] was added
+    assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == []
+    assert cache.speculate(None, [10, 11], 1, 1.0, 0.0)[0] == [12]
+
+    # The proposer marks the cache's draft used where it takes it over the request's own tree's.
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=2)
+    proposer.cache.add(None, [1, 2, 3, 4, 5])
+    proposer.cache.add(None, [6, 7, 8, 9])
+    seq = Sequence("s", [30, 1, 2, 3], SamplingParams(temperature=0), 0)
+    assert proposer.draft(seq, 2).tokens == [4, 5]
+    proposer.cache.add(None, [10, 11, 12])
+    assert proposer.draft(seq, 2).tokens == [4, 5]
+
+
+def test_the_global_cache_never_gives_a_held_requests_id_to_another():
+    from specstream.spec_decode.suffix import ID_MASK
+
+    cache = GlobalSuffixCache(max_depth=8, max_requests=3, max_tokens=100)
+    cache.add(None, [1, 2, 3])  # id 0
+    cache._ids = itertools.count(ID_MASK)
+    cache.add(None, [4, 5, 6])  # id ID_MASK
+    cache.add(None, [7, 8, 9])  # 2^31 is id 0 in the tree's 31 bits, still held: the next one
+    assert sorted(cache._order) == [0, 1, ID_MASK]
+    assert [cache.speculate(None, [a, a + 1], 1, 1.0, 0.0)[0] for a in (1, 4, 7)] == [[3], [6], [9]]
 
 
 def engine(model, method, **kw):

@@ -66,6 +66,7 @@ def _load() -> ctypes.CDLL | None:
             lib.sst_remove.argtypes, lib.sst_remove.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int
             lib.sst_seq_len.argtypes, lib.sst_seq_len.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
             lib.sst_num_nodes.argtypes, lib.sst_num_nodes.restype = [ctypes.c_void_p], ctypes.c_int64
+            lib.sst_source.argtypes, lib.sst_source.restype = [ctypes.c_void_p], ctypes.c_int64
             lib.sst_count.argtypes, lib.sst_count.restype = [ctypes.c_void_p, _i32p, ctypes.c_int], ctypes.c_int64
             lib.sst_speculate.argtypes = [
                 ctypes.c_void_p, _i32p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int,
@@ -159,6 +160,11 @@ class SuffixTree:
     @property
     def num_nodes(self) -> int:
         return int(self._lib.sst_num_nodes(self._handle))
+
+    def source(self) -> int:
+        """The held sequence (its id's low 31 bits) that last wrote the first token of the latest speculate,
+        speculate_tree or speculate_held draft: the text that draft continues. -1 where that drafted nothing."""
+        return int(self._lib.sst_source(self._handle))
 
     def count(self, tokens) -> int:
         """How often `tokens` occur in the held sequences (substrings up to max_depth long)."""

@@ -5,8 +5,11 @@ Two kinds of suffix tree (kernels/suffix_tree.py, C++):
 - one per running request, over its prompt's last `prompt_tokens` (1024; n-gram lookup, which auto runs
   beside, searches the whole prompt) and its output so far;
 - a global cache over the first `cached_tokens` (512) of the outputs of earlier requests, bounded to
-  `suffix_max_cached_requests` requests (the oldest dropped first), one tree per cache_salt as in the
-  prefix cache, so that requests of one salt never draft from another's outputs.
+  `suffix_max_cached_requests` requests, one tree per cache_salt as in the prefix cache, so that requests of
+  one salt never draft from another's outputs. The least recently used request is dropped first: a request is
+  used when it is added, and when a draft the cache offers starts in text it wrote last (SuffixTree.source).
+  Dropping the oldest instead, a burst of requests unlike the rest (open chat between an agent's loops) pushed
+  out the outputs the agent's drafts came from.
 
 Memory: a tree of depth 24 holds about 17 nodes per token of real text, about 1.3 KB per token (73 bytes
 a node, measured), so the default cache (256 requests) takes at most about 170 MB and typically a third of
@@ -37,6 +40,9 @@ from specstream.spec_decode.proposer import Draft, Proposer, ProposerContext
 logger = logging.getLogger(__name__)
 
 
+ID_MASK = 0x7FFFFFFF
+
+
 class SuffixUnavailable(RuntimeError):
     """The suffix tree could not be built here (no C++ compiler)."""
 
@@ -50,8 +56,9 @@ class GlobalSuffixCache:
         self.max_tokens = max_tokens  # of one request's output kept
         self._trees: dict[str | None, SuffixTree] = {}
         self._held: dict[str | None, int] = {}  # requests held per salt
-        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, oldest first
+        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, least recently used first
         self._ids = itertools.count()
+        self._offered: int | None = None  # the request the latest speculate's draft continues
 
     def __len__(self) -> int:
         return len(self._order)
@@ -62,7 +69,9 @@ class GlobalSuffixCache:
         tree = self._trees.get(salt)
         if tree is None:
             tree = self._trees[salt] = SuffixTree(self.max_depth)
-        seq_id = next(self._ids)
+        seq_id = next(self._ids) & ID_MASK  # the tree names a node's writer by an id's low 31 bits
+        while seq_id in self._order:  # (after 2^31 requests, one still held)
+            seq_id = next(self._ids) & ID_MASK
         tree.extend(seq_id, tokens[: self.max_tokens])
         self._order[seq_id] = salt
         self._held[salt] = self._held.get(salt, 0) + 1
@@ -79,9 +88,18 @@ class GlobalSuffixCache:
     def speculate(self, salt: str | None, context: list[int], k: int, factor: float, min_prob: float, tree: bool = False):
         """The cache's best draft for salt's requests: as SuffixTree.speculate, or speculate_tree with tree."""
         held = self._trees.get(salt)
+        self._offered = None
         if held is None:
             return ([], [], [], 0) if tree else ([], [], 0)
-        return held.speculate_tree(context, k, factor, min_prob) if tree else held.speculate(context, k, factor, min_prob)
+        draft = held.speculate_tree(context, k, factor, min_prob) if tree else held.speculate(context, k, factor, min_prob)
+        self._offered = held.source() if draft[0] else None
+        return draft
+
+    def used(self) -> None:
+        """The latest speculate's draft was taken: the request whose text it continues becomes the most recently
+        used (the last to be dropped). Nothing where that request has been dropped since it wrote the text."""
+        if self._offered is not None and self._offered in self._order:
+            self._order.move_to_end(self._offered)
 
     @property
     def num_nodes(self) -> int:
@@ -147,6 +165,8 @@ class SuffixProposer(Proposer):
         best = max(mine, earlier, key=lambda d: sum(d[-2]))
         if not best[0]:
             return Draft([])
+        if best is earlier:
+            self.cache.used()
         if self.trees:
             tokens, parents, chances, _ = best
             return Draft(tokens, None, "suffix", chances=chances, parents=parents)

@@ -6,6 +6,10 @@
 // substrings' counts are taken back and nodes that reach zero are freed), so a bounded cache of
 // earlier requests can drop its oldest.
 //
+// Each node also names the sequence that last wrote it (its id's low 31 bits), and source() gives the writer of
+// the latest draft's first node: a bounded cache can keep the requests its drafts come from (least recently used
+// dropped first) rather than the oldest.
+//
 // speculate() finds where the context's last tokens occur and continues from there, along the most
 // frequent children (a path) or best first over all of them (a tree), each draft token with the estimated
 // chance that the text goes on that way (child count over parent count, multiplied along the path). As in
@@ -37,6 +41,7 @@ struct Node {
     int32_t first_child;
     int32_t next_sibling;
     int32_t depth;
+    int32_t last_seq;  // the sequence that last wrote it (id & 0x7fffffff), -1 for none: fits the padding after count
 };
 
 struct Seq {
@@ -46,7 +51,7 @@ struct Seq {
 
 class Tree {
 public:
-    explicit Tree(int max_depth) : max_depth_(max_depth) { nodes_.push_back(Node{0, -1, -1, -1, -1, 0}); }
+    explicit Tree(int max_depth) : max_depth_(max_depth) { nodes_.push_back(Node{0, -1, -1, -1, -1, 0, -1}); }
 
     int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size() - free_.size()); }
 
@@ -58,7 +63,8 @@ public:
     void extend(int64_t id, const int32_t* tokens, int n) {
         Seq& seq = seqs_[id];
         seq.tokens.reserve(seq.tokens.size() + n);
-        for (int i = 0; i < n; i++) append(seq, tokens[i]);
+        const int32_t writer = static_cast<int32_t>(id & 0x7fffffff);
+        for (int i = 0; i < n; i++) append(seq, tokens[i], writer);
     }
 
     bool remove(int64_t id) {
@@ -99,6 +105,9 @@ public:
     // token's estimated chance, the match length. A path follows the most frequent child at each step; a
     // tree grows best first (the likeliest node not yet taken, among the children of those taken), so
     // every node comes after its parent.
+    // The sequence that last wrote the first node of the latest speculate()'s draft, -1 where it drafted nothing.
+    int64_t source() const { return source_; }
+
     int speculate(const int32_t* ctx, int n, int max_tokens, float factor, float min_prob, bool tree,
                   int32_t* out_tokens, int32_t* out_parents, float* out_probs, int* out_match) const {
         std::vector<int32_t> matches;  // the node of the context's last len tokens, by len - 1
@@ -134,6 +143,8 @@ private:
         int best_len = 0;
         float best_score = 0.0f;
         *out_match = 0;
+        source_ = -1;
+        int32_t first = -1;
         std::vector<int32_t> tokens, parents;
         std::vector<float> probs;
         for (int len = 1; len <= static_cast<int>(matches.size()); len++) {
@@ -142,8 +153,8 @@ private:
             tokens.clear();
             parents.clear();
             probs.clear();
-            const float score = tree ? grow_tree(node, cap, min_prob, tokens, parents, probs)
-                                     : follow_path(node, cap, min_prob, tokens, parents, probs);
+            const float score = tree ? grow_tree(node, cap, min_prob, tokens, parents, probs, first)
+                                     : follow_path(node, cap, min_prob, tokens, parents, probs, first);
             if (!tokens.empty() && score >= best_score) {
                 best_score = score;
                 best_len = static_cast<int>(tokens.size());
@@ -151,6 +162,7 @@ private:
                 std::copy(parents.begin(), parents.end(), out_parents);
                 std::copy(probs.begin(), probs.end(), out_probs);
                 *out_match = len;
+                source_ = nodes_[first].last_seq;
             }
         }
         return best_len;
@@ -169,7 +181,7 @@ private:
         auto [it, fresh] = edges_.try_emplace(key(parent, token), -1);
         if (!fresh) return it->second;
         int32_t id;
-        const Node node{0, token, parent, -1, nodes_[parent].first_child, nodes_[parent].depth + 1};
+        const Node node{0, token, parent, -1, nodes_[parent].first_child, nodes_[parent].depth + 1, -1};
         if (!free_.empty()) {
             id = free_.back();
             free_.pop_back();
@@ -183,7 +195,7 @@ private:
         return id;
     }
 
-    void append(Seq& seq, int32_t token) {
+    void append(Seq& seq, int32_t token, int32_t writer) {
         const size_t before = seq.active.size();
         for (size_t i = 0; i < before; i++) {
             const int32_t node = seq.active.front();
@@ -191,10 +203,12 @@ private:
             if (nodes_[node].depth >= max_depth_) continue;  // its substring cannot grow within the depth
             const int32_t next = child_or_new(node, token);
             nodes_[next].count++;
+            nodes_[next].last_seq = writer;
             seq.active.push_back(next);
         }
         const int32_t first = child_or_new(0, token);
         nodes_[first].count++;
+        nodes_[first].last_seq = writer;
         nodes_[0].count++;
         seq.active.push_back(first);
         seq.tokens.push_back(token);
@@ -210,14 +224,16 @@ private:
         free_.push_back(id);
     }
 
+    // first: set to the draft's first node (where it drafts any).
     float follow_path(int32_t node, int cap, float min_prob, std::vector<int32_t>& tokens, std::vector<int32_t>& parents,
-                      std::vector<float>& probs) const {
+                      std::vector<float>& probs, int32_t& first) const {
         float prob = 1.0f, score = 0.0f;
         while (static_cast<int>(tokens.size()) < cap) {
             const int32_t next = most_frequent_child(node);
             if (next < 0 || nodes_[node].count <= 0) break;
             prob *= static_cast<float>(nodes_[next].count) / static_cast<float>(nodes_[node].count);
             if (prob < min_prob) break;
+            if (tokens.empty()) first = next;
             parents.push_back(static_cast<int32_t>(tokens.size()) - 1);
             tokens.push_back(nodes_[next].token);
             probs.push_back(prob);
@@ -238,7 +254,7 @@ private:
     };
 
     float grow_tree(int32_t node, int cap, float min_prob, std::vector<int32_t>& tokens, std::vector<int32_t>& parents,
-                    std::vector<float>& probs) const {
+                    std::vector<float>& probs, int32_t& first) const {
         std::priority_queue<Candidate> heap;
         auto push_children = [&](int32_t from, float prob, int32_t index) {
             const float total = static_cast<float>(nodes_[from].count);
@@ -254,6 +270,7 @@ private:
             const Candidate best = heap.top();
             heap.pop();
             const int32_t index = static_cast<int32_t>(tokens.size());
+            if (tokens.empty()) first = best.node;
             tokens.push_back(nodes_[best.node].token);
             parents.push_back(best.parent);
             probs.push_back(best.prob);
@@ -275,6 +292,7 @@ private:
     }
 
     int max_depth_;
+    mutable int64_t source_ = -1;  // speculate() is const to its callers: the tree's counts do not change
     std::vector<Node> nodes_;
     std::vector<int32_t> free_;
     std::unordered_map<uint64_t, int32_t> edges_;
@@ -316,6 +334,10 @@ int sst_remove(void* tree, int64_t seq) {
 }
 
 int64_t sst_seq_len(void* tree, int64_t seq) { return static_cast<Tree*>(tree)->seq_len(seq); }
+
+// The sequence (its id's low 31 bits) that last wrote the first token of the latest sst_speculate or
+// sst_speculate_held draft, -1 where that drafted nothing.
+int64_t sst_source(void* tree) { return static_cast<Tree*>(tree)->source(); }
 
 int64_t sst_num_nodes(void* tree) { return static_cast<Tree*>(tree)->num_nodes(); }
 
