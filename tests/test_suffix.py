@@ -159,21 +159,30 @@ def test_a_draft_names_the_sequence_that_last_wrote_its_first_token():
     assert tree.speculate([20, 21], 4, 1.0, 0.1)[0] == [22] and tree.source() == (2**40 + 5) & 0x7FFFFFFF
 
 
-def test_the_global_cache_drops_the_least_recently_used_request_not_the_oldest():
-    """A request whose text a taken draft continues is used: a burst of other requests drops the ones no draft
-    came from first (before, the oldest went, however often drafts came from it)."""
+def test_the_global_cache_keeps_what_drafts_come_from_through_a_burst_and_lets_it_fade_after():
+    """A request whose text a taken draft continues gains credit: a burst of other requests drops the ones no
+    draft came from, oldest first (before, the oldest went, however often drafts came from it); once no draft
+    comes from it, its credit fades and it goes too."""
+    from specstream.spec_decode.suffix import CREDIT_FADE
+
     cache = GlobalSuffixCache(max_depth=8, max_requests=2, max_tokens=100)
     cache.add(None, [1, 2, 3, 4, 5])
     cache.add(None, [6, 7, 8, 9])
-    assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == [4, 5]
-    cache.used()
-    cache.add(None, [10, 11, 12])  # drops [6, 7, 8, 9], the least recently used
+    for _ in range(3):
+        assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == [4, 5]
+        cache.used()
+    cache.add(None, [10, 11, 12])  # drops [6, 7, 8, 9]: no draft came from it
     assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == [4, 5]
     assert cache.speculate(None, [6, 7, 8], 1, 1.0, 0.0)[0] == []
-    cache.used()  # the latest speculate drafted nothing: nothing is used
-    cache.add(None, [13, 14])  # drops [1, 2, 3, 4, 5]: used before [10, 11, 12] was added
-    assert cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0] == []
-    assert cache.speculate(None, [10, 11], 1, 1.0, 0.0)[0] == [12]
+    cache.used()  # the latest speculate drafted nothing: nothing gains
+    burst = 0
+    while cache.speculate(None, [1, 2, 3], 2, 1.0, 0.0)[0]:  # a burst no draft comes from
+        cache.add(None, [100 + burst, 200 + burst])
+        burst += 1
+        assert len(cache) == 2 and cache.speculate(None, [100 + burst - 1], 1, 1.0, 0.0)[0] == [200 + burst - 1]
+    # Its credit (1 faded once as [6, 7, 8, 9] joined, then 3 drafts) goes below the last newcomer's (faded once
+    # by the next) after n more joins: (fade + 3) * fade^(n + 1) < fade.
+    assert burst == math.ceil(math.log(CREDIT_FADE + 3) / -math.log(CREDIT_FADE))
 
     # The proposer marks the cache's draft used where it takes it over the request's own tree's.
     proposer = SuffixProposer(max_depth=8, max_cached_requests=2)

@@ -6,10 +6,12 @@ Two kinds of suffix tree (kernels/suffix_tree.py, C++):
   beside, searches the whole prompt) and its output so far;
 - a global cache over the first `cached_tokens` (512) of the outputs of earlier requests, bounded to
   `suffix_max_cached_requests` requests, one tree per cache_salt as in the prefix cache, so that requests of
-  one salt never draft from another's outputs. The least recently used request is dropped first: a request is
-  used when it is added, and when a draft the cache offers starts in text it wrote last (SuffixTree.source).
-  Dropping the oldest instead, a burst of requests unlike the rest (open chat between an agent's loops) pushed
-  out the outputs the agent's drafts came from.
+  one salt never draft from another's outputs. The request with the least credit is dropped first: each
+  joins with a credit of 1 and gains 1 whenever a draft the cache offers continues text it wrote last
+  (SuffixTree.source), and every credit fades by CREDIT_FADE with each request that joins (least recently and
+  least frequently used: LRFU). Dropping the oldest instead, a burst of requests unlike the rest (open chat
+  between an agent's loops) pushed out the outputs the agent's drafts came from; a request whose text keeps
+  being drafted from now outlasts a burst of others, and once it stops being drafted from it fades out.
 
 Memory: a tree of depth 24 holds about 17 nodes per token of real text, about 1.3 KB per token (73 bytes
 a node, measured), so the default cache (256 requests) takes at most about 170 MB and typically a third of
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 ID_MASK = 0x7FFFFFFF
+# How much of its credit a cached request keeps each time another request joins the cache.
+CREDIT_FADE = 0.99
 
 
 class SuffixUnavailable(RuntimeError):
@@ -56,7 +60,8 @@ class GlobalSuffixCache:
         self.max_tokens = max_tokens  # of one request's output kept
         self._trees: dict[str | None, SuffixTree] = {}
         self._held: dict[str | None, int] = {}  # requests held per salt
-        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, least recently used first
+        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, oldest first
+        self._credit: dict[int, float] = {}  # cached id -> its credit (the one with the least is dropped first)
         self._ids = itertools.count()
         self._offered: int | None = None  # the request the latest speculate's draft continues
 
@@ -73,13 +78,18 @@ class GlobalSuffixCache:
         while seq_id in self._order:  # (after 2^31 requests, one still held)
             seq_id = next(self._ids) & ID_MASK
         tree.extend(seq_id, tokens[: self.max_tokens])
+        for held in self._credit:
+            self._credit[held] *= CREDIT_FADE
         self._order[seq_id] = salt
+        self._credit[seq_id] = 1.0
         self._held[salt] = self._held.get(salt, 0) + 1
         while len(self._order) > self.max_requests:
             self._evict()
 
     def _evict(self) -> None:
-        seq_id, salt = self._order.popitem(last=False)
+        seq_id = min(self._credit, key=self._credit.__getitem__)  # the oldest of equal credits (insertion order)
+        salt = self._order.pop(seq_id)
+        del self._credit[seq_id]
         self._trees[salt].remove(seq_id)
         self._held[salt] -= 1
         if not self._held[salt]:
@@ -96,10 +106,10 @@ class GlobalSuffixCache:
         return draft
 
     def used(self) -> None:
-        """The latest speculate's draft was taken: the request whose text it continues becomes the most recently
-        used (the last to be dropped). Nothing where that request has been dropped since it wrote the text."""
-        if self._offered is not None and self._offered in self._order:
-            self._order.move_to_end(self._offered)
+        """The latest speculate's draft was taken: the request whose text it continues gains a credit of 1.
+        Nothing where that request has been dropped since it wrote the text."""
+        if self._offered is not None and self._offered in self._credit:
+            self._credit[self._offered] += 1.0
 
     @property
     def num_nodes(self) -> int:
