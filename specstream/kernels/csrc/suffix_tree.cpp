@@ -4,11 +4,11 @@
 // counting how often its substring occurs. A sequence can be extended token by token (each new token
 // extends the at most max_depth substrings that end at it: O(max_depth) work) and removed again (its
 // substrings' counts are taken back and nodes that reach zero are freed), so a bounded cache of
-// earlier requests can drop its oldest.
+// earlier requests can drop any of them.
 //
 // Each node also names the sequence that last wrote it (its id's low 31 bits), and source() gives the writer of
-// the latest draft's first node: a bounded cache can keep the requests its drafts come from (least recently used
-// dropped first) rather than the oldest.
+// the latest draft's first node: a bounded cache can keep the requests its drafts come from rather than the
+// newest (spec_decode/suffix.py's credit).
 //
 // speculate() finds where the context's last tokens occur and continues from there, along the most
 // frequent children (a path) or best first over all of them (a tree), each draft token with the estimated
