@@ -202,7 +202,7 @@ def test_the_global_cache_never_gives_a_held_requests_id_to_another():
     cache._ids = itertools.count(ID_MASK)
     cache.add(None, [4, 5, 6])  # id ID_MASK
     cache.add(None, [7, 8, 9])  # 2^31 is id 0 in the tree's 31 bits, still held: the next one
-    assert sorted(cache._order) == [0, 1, ID_MASK]
+    assert sorted(cache._salt) == [0, 1, ID_MASK]
     assert [cache.speculate(None, [a, a + 1], 1, 1.0, 0.0)[0] for a in (1, 4, 7)] == [[3], [6], [9]]
 
 

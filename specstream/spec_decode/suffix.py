@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from specstream.kernels.suffix_tree import SuffixTree, available, unavailable_reason
@@ -60,13 +59,13 @@ class GlobalSuffixCache:
         self.max_tokens = max_tokens  # of one request's output kept
         self._trees: dict[str | None, SuffixTree] = {}
         self._held: dict[str | None, int] = {}  # requests held per salt
-        self._order: OrderedDict[int, str | None] = OrderedDict()  # cached id -> salt, oldest first
+        self._salt: dict[int, str | None] = {}  # cached id -> its cache_salt
         self._credit: dict[int, float] = {}  # cached id -> its credit (the one with the least is dropped first)
         self._ids = itertools.count()
         self._offered: int | None = None  # the request the latest speculate's draft continues
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._salt)
 
     def add(self, salt: str | None, tokens: list[int]) -> None:
         if self.max_requests <= 0 or not tokens:
@@ -75,20 +74,20 @@ class GlobalSuffixCache:
         if tree is None:
             tree = self._trees[salt] = SuffixTree(self.max_depth)
         seq_id = next(self._ids) & ID_MASK  # the tree names a node's writer by an id's low 31 bits
-        while seq_id in self._order:  # (after 2^31 requests, one still held)
+        while seq_id in self._salt:  # (after 2^31 requests, one still held)
             seq_id = next(self._ids) & ID_MASK
         tree.extend(seq_id, tokens[: self.max_tokens])
         for held in self._credit:
             self._credit[held] *= CREDIT_FADE
-        self._order[seq_id] = salt
+        self._salt[seq_id] = salt
         self._credit[seq_id] = 1.0
         self._held[salt] = self._held.get(salt, 0) + 1
-        while len(self._order) > self.max_requests:
+        while len(self._salt) > self.max_requests:
             self._evict()
 
     def _evict(self) -> None:
         seq_id = min(self._credit, key=self._credit.__getitem__)  # the oldest of equal credits (insertion order)
-        salt = self._order.pop(seq_id)
+        salt = self._salt.pop(seq_id)
         del self._credit[seq_id]
         self._trees[salt].remove(seq_id)
         self._held[salt] -= 1
