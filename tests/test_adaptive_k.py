@@ -472,24 +472,6 @@ def test_a_curve_that_prices_plain_steps_high_still_shows_what_drafting_adds():
     assert policy.surcharge(8) < 1e-6
 
 
-def test_steps_with_prefill_chunks_are_measured_apart_and_charged_where_chunks_ride_along():
-    """The curve prices a draft row beside a prefill chunk at the margin of a long step; what drafting adds to such
-    steps is measured apart from steps of decoding alone, by batch sizes 1, 2-3, 4-7, 8-15, 16-31 together, and
-    charged only to steps with chunks: 20 decoding sequences whose drafts pay alone still draft, and beside a
-    200-token chunk, where drafting steps ran 30 ms over plain ones, they no longer do."""
-    cost = CostModel([16, 32, 256, 512], [0.020, 0.030, 0.120, 0.220])
-    policy = KPolicy(4, True, cost, lambda n: 0.0)
-    batch = seqs(20, accepted=30.0, rejected=10.0)
-    assert sum(policy.choose(batch, 20, 64)) > 0 and sum(policy.choose(batch, 220, 64)) > 0
-    for n in range(200):
-        policy.mixed_surcharge.observe(16 + n % 16, 0, 0.002, 0.110)
-        policy.mixed_surcharge.observe(16 + n % 16, 1 + n % 4, 0.032, 0.115)
-    assert policy.mixed_surcharge(20) == pytest.approx(0.030, rel=0.02) == policy.mixed_surcharge(31)
-    assert policy.mixed_surcharge(15) == 0.0 and policy.surcharge(20) == 0.0
-    assert sum(policy.choose(batch, 20, 64)) > 0  # decoding alone: not charged
-    assert sum(policy.choose(batch, 220, 64)) == 0
-
-
 def test_the_engine_reports_each_steps_time_beyond_its_price(tiny_model_dir):
     from specstream import Engine, EngineConfig, SpeculativeConfig
 
@@ -502,14 +484,6 @@ def test_the_engine_reports_each_steps_time_beyond_its_price(tiny_model_dir):
     e.generate([list(range(5, 25)) * 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert seen and all(n == 1 and drafting in (0, 1) and -1.0 < beyond < 1.0 and priced > 0 for n, drafting, beyond, priced in seen)
     assert any(drafting for _, drafting, _, _ in seen) and len(seen) <= 29  # every step but the prefill's
-    # A prompt prefilled in chunks while another sequence decodes: those steps are reported apart.
-    e = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_batched_tokens=16, speculative=spec), log=False)
-    while not e.priced:
-        e.idle()
-    alone, mixed = [], []
-    e.policy.surcharge.observe, e.policy.mixed_surcharge.observe = (lambda *a: alone.append(a)), (lambda *a: mixed.append(a))
-    e.generate([list(range(5, 15)), list(range(30, 40)) * 8], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    assert mixed and all(n == 1 and priced > 0 for n, _, _, priced in mixed) and alone
 
 
 def test_a_step_being_priced_reads_the_curve_once_per_size():

@@ -184,10 +184,11 @@ class Engine:
             self._hand_features(decodes, plan.prefills, items, results, aux)
         for i, (rnd, result) in enumerate(zip(rounds, results)):
             outputs.append(self._update(rnd, result, decoding=i < len(decodes)))
-        if decodes and not self.compiling and self.policy.target_cost is not None:
-            # the step beyond its rows' price (host work, the forward's shape), which drafting adds to; with chunks apart
-            priced, charge = self.policy.target_cost(rows), self.policy.mixed_surcharge if plan.prefills else self.policy.surcharge
-            charge.observe(len(decodes), sum(bool(d.tokens) for d in drafts), time.perf_counter() - began - proposing - priced, priced)
+        if not plan.prefills and decodes and not self.compiling and self.policy.target_cost is not None:
+            # the step beyond its rows' price (host work, and the forward's shape), which drafting adds to
+            priced = self.policy.target_cost(rows)
+            beyond = time.perf_counter() - began - proposing - priced
+            self.policy.surcharge.observe(len(decodes), sum(bool(d.tokens) for d in drafts), beyond, priced)
         self._update_gauges()
         return outputs
 

@@ -291,11 +291,6 @@ SURCHARGE_FORGET = 0.001
 SURCHARGE_FIRST = 8  # plain steps of a batch size averaged whole before any is capped or a drafting step is measured
 
 
-def power_of_two_floor(n: int) -> int:
-    """The largest power of two at most n (n >= 1): batch sizes 1, 2-3, 4-7, ... measured together."""
-    return 1 << (n.bit_length() - 1)
-
-
 class DraftingSurcharge:
     """What a step of decoding sequences costs once any of them drafts, over a plain step of as many sequences,
     beyond what the forward-time curve prices its rows at: measured per batch size from the steps the engine runs.
@@ -305,21 +300,15 @@ class DraftingSurcharge:
     masked, so its first draft row can cost several times what the next ones add. Neither grows much with the
     sequences drafting, so it is the step's, not each draft's: the k policy charges it to a step's first drafting
     sequence. Each plain step forgets a little of it, so that a charge measured on a busy machine does not stop
-    drafting at that batch size for good.
+    drafting at that batch size for good."""
 
-    bucket: the batch sizes measured together (by default each alone). Steps with prefill chunks are measured
-    apart from steps of decoding alone (KPolicy.mixed_surcharge), in buckets of batch sizes: such steps are
-    fewer, and the curve prices a draft row there at the margin of a long step (a prefill row's price), which
-    can be far from what the row adds to an eager forward beside a chunk."""
-
-    def __init__(self, bucket: Callable[[int], int] = lambda n: n) -> None:
-        self.bucket = bucket
-        self.plain: dict[int, float] = {}  # batch size (its bucket) -> a plain step's seconds beyond the curve's price
-        self.extra: dict[int, float] = {}  # batch size (its bucket) -> what drafting adds to them
-        self.seen: dict[int, int] = {}  # batch size (its bucket) -> plain steps measured
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}  # batch size -> a plain step's seconds beyond the curve's price
+        self.extra: dict[int, float] = {}  # batch size -> what drafting adds to them
+        self.seen: dict[int, int] = {}  # batch size -> plain steps measured
 
     def __call__(self, num_seqs: int) -> float:
-        return self.extra.get(self.bucket(num_seqs), 0.0)
+        return self.extra.get(num_seqs, 0.0)
 
     def observe(self, num_seqs: int, num_drafting: int, seconds: float, priced: float) -> None:
         """A step of num_seqs decoding sequences alone, num_drafting of them with drafts, took `seconds` beyond
@@ -329,7 +318,6 @@ class DraftingSurcharge:
         step's excess over it counts for more than `priced` (one descheduled step says little)."""
         if num_seqs <= 0 or not math.isfinite(seconds) or not 0.0 < priced < math.inf:
             return
-        num_seqs = self.bucket(num_seqs)
         plain = self.plain.get(num_seqs, 0.0)
         if not num_drafting:
             seen = self.seen[num_seqs] = self.seen.get(num_seqs, 0) + 1
@@ -372,10 +360,7 @@ class KPolicy:
         self.lookup_cost = lookup_cost
         self.draft_hint = draft_hint
         self.shared = SharedAcceptance()  # every sequence's rounds: a new sequence's prior
-        # What a step's drafting adds beyond its rows' price, in steps of decoding alone and in steps with prefill
-        # chunks: the engine reports every step to one of them.
-        self.surcharge = DraftingSurcharge()
-        self.mixed_surcharge = DraftingSurcharge(power_of_two_floor)
+        self.surcharge = DraftingSurcharge()  # what a step's drafting adds beyond its rows' price: the engine reports every step
 
     def estimate(self, seq: Drafting) -> float:
         """seq's acceptance: its own record, pulled toward what drafts like its were accepted lately."""
@@ -408,8 +393,7 @@ class KPolicy:
             if hint is not None and hint[0] > alphas[i]:
                 alphas[i], caps[i] = hint[0], min(caps[i], hint[1])
         lookup = self.lookup_cost()
-        # once, with the first sequence let draft; measured apart where prefill chunks ride along
-        surcharge = (self.mixed_surcharge if base_tokens > len(seqs) else self.surcharge)(len(seqs))
+        surcharge = self.surcharge(len(seqs))  # once, with the first sequence let draft
         ks = [0] * len(seqs)
         # Drafts cost what they add to the whole step, prefill chunks included, and must beat the decoding
         # rows' own rate (StepBase): the chunks' time is taken out of the step's seconds.
