@@ -106,7 +106,8 @@ def test_seeded_constrained_sampling_is_unchanged_by_one_hot_drafts(tiny_model_d
 
 def _frequencies(e, n: int, structured) -> tuple[dict[str, float], list]:
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, structured=structured) for s in range(n)]
-    outs = e.generate([PROMPT] * n, params)
+    # In waves whose prompts are prefilled in one step: a step that feeds a prompt drafts nothing.
+    outs = [o for i in range(0, n, 200) for o in e.generate([PROMPT] * len(params[i : i + 200]), params[i : i + 200])]
     assert all(len(o.text) == 2 and set(o.text) <= set("abcd") for o in outs)
     counts: dict[str, float] = {}
     for o in outs:

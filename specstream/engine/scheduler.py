@@ -119,21 +119,18 @@ class Scheduler:
                     break
             else:
                 plan.decodes.append(seq)
-        budget -= len(plan.decodes)
-        draft_room = min(budget, len(plan.decodes) * self.policy.k_max)
-        if self.waiting or any(not s.is_decoding for s in self.running):
-            # Prompts are waiting: drafts may take at most half of what is left, and no more than the k policy
-            # grants the decodes alone. (Room held for drafts the policy then declines is a smaller prefill
-            # chunk: at 32 streams of `auto`, where few drafts pay, prompts took half again as many steps.)
-            draft_room = min(draft_room, budget // 2)
-            draft_room = sum(self.policy.choose(plan.decodes, len(plan.decodes), draft_room)) if draft_room else 0
-        budget = self._schedule_prefills(plan, budget - draft_room) + draft_room
+        budget = self._schedule_prefills(plan, budget - len(plan.decodes))
         if plan.empty and len(self.running) > 1:
             # Prefilling sequences filled the pool between them: make room for the oldest.
             self._preempt_newest()
             return self.schedule()
-        plan.ks = self.policy.choose(plan.decodes, plan.base_tokens, budget)
+        # Drafts never ride beside a prefill chunk: prompts take the whole budget, and the decodes draft once no
+        # chunk is left to feed. Such a step runs eager and long, and at 32 agent streams its draft rows cost
+        # more than they gave (the README's "Speculation on open chat").
+        plan.ks = [0] * len(plan.decodes) if plan.prefills else self.policy.choose(plan.decodes, plan.base_tokens, budget)
         for i, seq in enumerate(plan.decodes):
+            if seq.max_tokens is not None:  # a round emits its kept drafts and one token more, within the limit
+                plan.ks[i] = min(plan.ks[i], max(seq.max_tokens - seq.num_output_tokens - 1, 0))
             while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i], seq.num_cached):
                 plan.ks[i] -= 1
         return plan
