@@ -125,8 +125,8 @@ class Scheduler:
             self._preempt_newest()
             return self.schedule()
         # Drafts never ride beside a prefill chunk: prompts take the whole budget, and the decodes draft once no
-        # chunk is left to feed. Such a step runs eager and long, and at 32 agent streams its draft rows cost
-        # more than they gave (the README's "Speculation on open chat").
+        # chunk is left to feed. Such a step runs long (eager past the compiled sizes), and at 32 agent streams its
+        # draft rows cost more than they gave (the README's "Speculation on open chat").
         plan.ks = [0] * len(plan.decodes) if plan.prefills else self.policy.choose(plan.decodes, plan.base_tokens, budget)
         for i, seq in enumerate(plan.decodes):
             if seq.max_tokens is not None:  # a round emits its kept drafts and one token more, within the limit
