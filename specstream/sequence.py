@@ -106,6 +106,14 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def draft_room(self) -> int | None:
+        """The most drafts a round may carry that could all be kept: a round emits its accepted drafts and one
+        token more, within max_tokens (None: no limit)."""
+        if self.max_tokens is None:
+            return None
+        return max(self.max_tokens - self.num_output_tokens - 1, 0)
+
+    @property
     def cache_salt(self) -> str | None:
         return self.params.cache_salt
 

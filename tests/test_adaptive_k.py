@@ -419,7 +419,7 @@ def test_the_k_policy_grants_no_run_longer_than_the_longest_compiled_one():
     from types import SimpleNamespace
 
     cost = CostModel([1, 64], [0.010, 0.0101])
-    seq = SimpleNamespace(params=SamplingParams(), acceptance=Acceptance(100.0, 0.0))
+    seq = SimpleNamespace(params=SamplingParams(), acceptance=Acceptance(100.0, 0.0), draft_room=None)
     assert KPolicy(16, True, cost, lambda n: 0.0, longest_run=16).choose([seq], 1, 64) == [15]
     assert KPolicy(16, True, cost, lambda n: 0.0).choose([seq], 1, 64) == [16]
     assert KPolicy(16, False, cost, lambda n: 0.0, longest_run=16).choose([seq], 1, 64) == [16]
@@ -587,3 +587,16 @@ def test_auto_prices_its_picked_drafts_at_what_such_drafts_kept_of_their_price()
         return auto.propose([Sequence("m", text + [7] + text[:2], sampled, 0)], [4])[0].tokens
 
     assert judged(None) and not judged(Calibration(accepted=0.0, expected=1e4))
+
+
+def test_a_sequence_near_its_limit_gets_no_more_drafts_than_it_can_keep_and_the_budget_goes_to_others():
+    """A round emits its kept drafts and one token more: with 3 tokens left to max_tokens a sequence drafts at
+    most 2, adaptive or not, and the step's budget it cannot use is granted to the sequence beside it."""
+    cost = CostModel([1, 64], [0.010, 0.0101])  # rows nearly free: drafts kept 99 times in 100 pay at any k
+    near, far = seqs(2, accepted=99.0, rejected=1.0)
+    near.max_tokens = near.num_output_tokens + 3
+    assert near.draft_room == 2 and far.draft_room == far.max_tokens - 1
+    for adaptive in (True, False):
+        assert KPolicy(8, adaptive, cost, lambda n: 0.0).choose([near, far], base_tokens=2, budget=10) == [2, 8]
+    near.max_tokens = near.num_output_tokens + 1  # its last token: no room for a draft
+    assert KPolicy(8, True, cost, lambda n: 0.0).choose([near, far], base_tokens=2, budget=10) == [0, 8]

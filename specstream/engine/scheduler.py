@@ -4,10 +4,11 @@ Every step, in order:
 1. each decoding sequence gets its next token's KV slot (preempting the newest sequences,
    which recompute later, when the pool is full);
 2. prefill chunks (continuing prompts first, then newly admitted ones) take the token
-   budget left after the decoders and their largest possible drafts, so a long prompt is
-   fed in pieces and never stalls running streams for more than one step;
-3. the k policy spreads what is left of the budget as drafts over the decoders; each
-   sequence's k slots are reserved in the pool, or its k shrinks.
+   budget left after the decoders, so a long prompt is fed in pieces and never stalls
+   running streams for more than one step;
+3. where no chunk was scheduled, the k policy spreads what is left of the budget as drafts
+   over the decoders (a step that feeds a prompt drafts nothing); each sequence's k slots
+   are reserved in the pool, or its k shrinks.
 
 With prefix caching, a step first publishes the full blocks each running sequence committed
 in the last round (and a sequence publishes its blocks when freed), and a sequence being
@@ -129,8 +130,6 @@ class Scheduler:
         # draft rows cost more than they gave (the README's "Speculation on open chat").
         plan.ks = [0] * len(plan.decodes) if plan.prefills else self.policy.choose(plan.decodes, plan.base_tokens, budget)
         for i, seq in enumerate(plan.decodes):
-            if seq.max_tokens is not None:  # a round emits its kept drafts and one token more, within the limit
-                plan.ks[i] = min(plan.ks[i], max(seq.max_tokens - seq.num_output_tokens - 1, 0))
             while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i], seq.num_cached):
                 plan.ks[i] -= 1
         return plan

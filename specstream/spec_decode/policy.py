@@ -45,10 +45,12 @@ DECAY_IDLE = 0.97
 
 
 class Drafting(Protocol):
-    """What the k policy reads of a sequence (engine.sequence.Sequence is one)."""
+    """What the k policy reads of a sequence (engine.sequence.Sequence is one). draft_room: the most drafts its
+    round may carry that could all be kept (None: no limit)."""
 
     acceptance: Acceptance
     params: SamplingParams
+    draft_room: int | None
 
 
 def acceptance_estimate(seq: Drafting, prior: float = PRIOR_ACCEPT) -> float:
@@ -373,12 +375,18 @@ class KPolicy:
         if drafted:
             self.shared.record("any", sampling_bucket(seq.params), accepted, float(accepted < drafted))
 
+    def cap(self, seq: Drafting) -> int:
+        """The most drafts seq's round may get: k_max, the request's own num_speculative_tokens, and what its
+        completion may still hold (draft_room: a row past it is verified and thrown away)."""
+        cap = self.k_max if seq.params.num_speculative_tokens is None else min(self.k_max, seq.params.num_speculative_tokens)
+        return cap if seq.draft_room is None else min(cap, seq.draft_room)
+
     def choose(self, seqs: list[Drafting], base_tokens: int, budget: int) -> list[int]:
         """k for each sequence; base_tokens are the step's tokens without drafts, budget the
         most draft tokens the step may add."""
         if not seqs or budget <= 0 or self.k_max == 0:
             return [0] * len(seqs)
-        caps = [self.k_max if s.params.num_speculative_tokens is None else min(self.k_max, s.params.num_speculative_tokens) for s in seqs]
+        caps = [self.cap(s) for s in seqs]
         if not self.adaptive:
             ks, left = [], budget
             for cap in caps:
