@@ -37,7 +37,8 @@ def engine(model, method="off", k=4, forced=True, **kw):
 
 
 def schema_params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=160, temperature=0, structured=StructuredOutput(json_schema=SCHEMA), **kw)
+    kw.setdefault("max_tokens", 160)
+    return SamplingParams(temperature=0, structured=StructuredOutput(json_schema=SCHEMA), **kw)
 
 
 def check_schema_output(text: str) -> dict:
@@ -79,6 +80,26 @@ def test_forced_drafts_take_fewer_rounds(tiny_model_dir, plain):
     assert with_forced.token_ids == without.token_ids
     assert with_forced.stats.rounds < without.stats.rounds
     assert with_forced.stats.accepted >= with_forced.stats.forced * 0.8
+
+
+def test_forced_drafts_stop_where_the_completion_must_end(tiny_model_dir, plain):
+    """A round emits its kept drafts and one token more, so forced drafts, like the proposer's, number at most the
+    tokens left less one: a forced row past max_tokens would be verified and thrown away."""
+    e = engine(tiny_model_dir)
+    seen = []
+    drafts = e.structured.drafts
+
+    def recorded(seqs, ks, *args):
+        out = drafts(seqs, ks, *args)
+        seen.extend((len(d.tokens), d.num_forced, s.max_tokens - s.num_output_tokens) for s, d in zip(seqs, out))
+        return out
+
+    e.structured.drafts = recorded
+    for max_tokens in (3, 7, 12):
+        got = e.generate(PROMPT, schema_params(max_tokens=max_tokens))[0]
+        assert got.token_ids == plain.generate(PROMPT, schema_params(max_tokens=max_tokens))[0].token_ids
+    assert any(forced for _, forced, _ in seen)
+    assert all(n <= left - 1 for n, _, left in seen), seen
 
 
 def test_every_verified_row_is_masked_to_what_the_grammar_allows_after_the_drafts_before_it(plain):

@@ -77,7 +77,10 @@ class StructuredDecoding:
             if constraint is None or constraint.matcher is None:
                 out.append(draft)
                 continue
-            forced = constraint.forced(min(FORCED_DRAFT_LIMIT, k + budget)) if self.forced_drafts else []
+            limit = min(FORCED_DRAFT_LIMIT, k + budget)
+            if seq.draft_room is not None:  # a forced row past max_tokens is verified and thrown away
+                limit = min(limit, seq.draft_room)
+            forced = constraint.forced(limit) if self.forced_drafts else []
             if len(forced) > k:
                 extra = len(forced) - k
                 if not reserve(seq, len(forced)):
