@@ -44,7 +44,7 @@ CONTEXT = 64
 # How the curve is timed, in its kept file's key: a curve kept by an earlier way of timing is timed again
 # ("sweeps": each repeat sweeps every size, CostModel.measure; "largest first": each size right after the next
 # larger one, not the one-token step right after the largest, which it then paid for; "every row's logits":
-# steps are timed as verifications, time_steps. The README has the figures.)
+# steps are timed as verifications, time_steps. docs/MEASUREMENTS.md has the figures.)
 TIMING = "sweeps largest first, every row's logits, wide steps over sequences"
 _STEP_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # A step's cost jumps past each multiple of ROW_TILE rows (the AMX kernels multiply tiles of 16 rows: a 17th or a
@@ -198,7 +198,7 @@ class CostModel:
         every step follows one of about its own size, as a server's steps do: a small step right after a much
         larger one runs slower for a few steps (seen on a Xeon with a large shared cache), and a curve timed
         smallest first priced the one-token step high and every draft row below what it adds in a steady
-        run (README: "Steps timed as a server runs them")."""
+        run (docs/MEASUREMENTS.md: "Steps timed as a server runs them")."""
         order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
         run(sizes[order[0]])  # warm-up
         times = [math.inf] * len(sizes)

@@ -208,7 +208,7 @@ class EngineBuilder:
         to fast_llama.COMPILED_MAX_ROWS rows, whatever start-up times for a projection alone. A route ending below
         that takes every step above it off the compiled forward (CompiledSteps.rows), whose graphs save more than
         the dense GEMM does; and measured in whole forwards on a Xeon with AMX, the tiles beat the dense GEMM at
-        25 and 32 rows eager too (README, "Steps of up to 64 rows compiled on AMX"). Elsewhere the timing decides alone:
+        25 and 32 rows eager too (docs/MEASUREMENTS.md, "Steps of up to 64 rows compiled on AMX"). Elsewhere the timing decides alone:
         the vector kernels' cost grows with every row."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_kernels.block_tiles():
             return {}

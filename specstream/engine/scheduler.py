@@ -127,7 +127,7 @@ class Scheduler:
             return self.schedule()
         # Drafts never ride beside a prefill chunk: prompts take the whole budget, and the decodes draft once no
         # chunk is left to feed. Such a step runs long (eager past the compiled sizes), and at 32 agent streams its
-        # draft rows cost more than they gave (the README's "Speculation on open chat").
+        # draft rows cost more than they gave (docs/MEASUREMENTS.md, "No drafts beside a prefill chunk").
         plan.ks = [0] * len(plan.decodes) if plan.prefills else self.policy.choose(plan.decodes, plan.base_tokens, budget)
         for i, seq in enumerate(plan.decodes):
             while plan.ks[i] and not self.pool.reserve(seq.block_table, len(seq.token_ids) + plan.ks[i], seq.num_cached):

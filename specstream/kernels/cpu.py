@@ -116,7 +116,7 @@ def fits_head(head_dim: int) -> bool:
 def attention_pairs(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether short_attention serves this dtype and head dimension on its vector path's bfloat16 pairs, each
     sequence's keys laid out once for all its queries (bfloat16, 64-wide heads, AVX512-BF16 without AMX). There it
-    also attends prefill chunks faster than SDPA (README: "Prefill chunks through the attention kernel"). Loads
+    also attends prefill chunks faster than SDPA (docs/MEASUREMENTS.md: "Prefill chunks through the attention kernel"). Loads
     nothing."""
     return loaded() and dtype == torch.bfloat16 and head_dim == 64 and bool(torch.ops.specstream.short_attention_pairs())
 

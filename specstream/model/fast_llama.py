@@ -64,7 +64,7 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # The longest query run per sequence, and the most rows in a step, that take the compiled layer (fewer where a
 # projection's route sends more rows to its dense copy: CompiledSteps.rows; on AMX tiles the layers' routes run to
 # COMPILED_MAX_ROWS at least, EngineBuilder.packed_floors). Steps of 17-64 rows are batches of
-# verifications (8 streams with 2 drafts each: 24 rows), which run faster compiled than eager (README, "Steps of
+# verifications (8 streams with 2 drafts each: 24 rows), which run faster compiled than eager (docs/MEASUREMENTS.md, "Steps of
 # more than 16 rows now compiled").
 COMPILED_MAX_RUN = 16
 COMPILED_MAX_ROWS = 64

@@ -24,7 +24,7 @@ that from the requests before it instead of from its own losing rounds. The head
 the rows it has not seen (EagleProposer.catch_up_cost): a sequence that has not drafted with the head for a
 while pays a pass over all of them before its first draft, its prompt's rows included. Spreading that pass
 over the head rounds left in the request (it serves all of them) was tried and measured worse: the head's
-rounds came back and did not pay (README, the open-chat trace). The head's features cost every step's forward
+rounds came back and did not pay (docs/MEASUREMENTS.md, the open-chat trace). The head's features cost every step's forward
 (three layers' rows gathered, handed to each sequence): they are computed only while a head round may be picked
 (prefill: for TAP_LINGER steps after one was last priced above plain decoding and the other methods' drafts, or
 for a prompt of a sampling bucket whose head was when last judged). Where none would be picked (many sampled
@@ -247,7 +247,7 @@ class AutoProposer(Proposer):
         output: its acceptance is what such matches were accepted lately across sequences (by match length
         and sampling bucket), not the sequence's own record, which mixes every method's rounds and so grants
         a long match fewer drafts than it goes on being accepted for. Greedy requests only: sampled requests'
-        longer drafts measured slower (README). The match is the one propose then finds (the sequence's window
+        longer drafts measured slower (docs/MEASUREMENTS.md). The match is the one propose then finds (the sequence's window
         index, NgramProposer.match_seq: its new tokens go in here, and propose's lookup is a few gets)."""
         if not seq.params.greedy:
             return None

@@ -138,7 +138,7 @@ class EagleProposer(Proposer):
     def _wait(self, state: _HeadState, rows: torch.Tensor) -> None:
         """Copy rows into the sequence's waiting buffer: one buffer a sequence, grown by doubling, not a tensor
         a step (a view would keep the step's features alive; a copy a step is thousands of small allocations
-        alive at many streams, among which the target's forward ran slower: README). Past MAX_WAITING rows the
+        alive at many streams, among which the target's forward ran slower: docs/MEASUREMENTS.md). Past MAX_WAITING rows the
         oldest go (KEPT_WAITING stay): a sequence that drafts with the head rarely, or never, holds a bounded
         buffer, and its next head round a bounded catch-up. Where the head has fed rows, its cache starts again
         at the rows kept: a gap in its positions would leave rows unwritten."""

@@ -19,7 +19,7 @@
 // Where the CPU has AMX-BF16, bfloat16 with a head dimension of 64 takes tiles instead (attend_tiles): up to 16
 // queries of a key/value head share each tile multiply, for the scores and for the sum over the values. It
 // serves every call there, decode included, so a row's numbers stay the same in any step (README: row
-// invariance). Its figures: README, "Attention on AMX tiles".
+// invariance). Its figures: docs/MEASUREMENTS.md, "Attention on AMX tiles".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
