@@ -8,6 +8,8 @@ take Anthropic's shape (gateway/errors.py), the rest OpenAI's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,6 +25,7 @@ from gateway.serving_messages import PARAMS as MESSAGES_PARAMS
 from gateway.serving_messages import ServingMessages
 from gateway.serving_responses import ServingResponses
 from gateway.state import ServingState, serving
+from specstream import ChatPrompt
 
 
 async def authorized_json(request: Request) -> tuple[ServingState, dict, bytes | None]:
@@ -104,13 +107,19 @@ async def count_tokens(request: Request) -> Response:
 
 # ----------------------------------------------------------------------- tokenizer
 class TokenizeRequest(_Strict):
-    """vLLM's: a prompt, or chat messages (with tools) templated as chat would."""
+    """vLLM's: a prompt, or chat messages (with tools) templated as chat would. add_special_tokens: a prompt's,
+    the tokenizer's own (default true); with messages only false, its default there (the chat template writes
+    the special tokens). add_generation_prompt (default true) and continue_final_message (default false), with
+    messages only: end with an opened assistant turn, or leave the last message open."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict] | None = Field(default=None, min_length=1)
     tools: list[dict] | None = Field(default=None, max_length=128)
     return_token_strs: bool = False
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -118,13 +127,25 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-async def encode(state: ServingState, chat: ChatCompletionRequest | None, prompt: str | None, prompt_param: str):
-    """The token ids of a plain prompt, or of the chat request's messages as chat would template them."""
+async def encode(
+    state: ServingState,
+    chat: ChatCompletionRequest | None,
+    prompt: str | None,
+    prompt_param: str,
+    add_special_tokens: bool = True,
+    opening: dict | None = None,
+):
+    """The token ids of a plain prompt, or of the chat request's messages as chat would template them (opening:
+    ChatPrompt's add_generation_prompt and continue_final_message, where not chat's)."""
     check_model(state, chat.model if chat is not None else None)
     state.require_ready()
     engine = state.engine
     try:
-        return await engine.encode(prompt if chat is None else chat.chat_messages(engine.template_calls_tools))
+        if chat is not None:
+            prompt = chat.chat_messages(engine.template_calls_tools)
+            if opening:
+                prompt = ChatPrompt(prompt, None, **opening) if isinstance(prompt, list) else replace(prompt, **opening)
+        return await engine.encode(prompt, add_special_tokens)
     except APIError:
         raise
     except Exception as exc:
@@ -137,13 +158,23 @@ async def tokenize(request: Request) -> Response:
     check_model(state, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt" if req.prompt is None else "messages")
-    if req.tools is not None and req.messages is None:
-        raise APIError(400, "tools go with messages", param="tools")
-    chat = None
+    for name in ("tools", "add_generation_prompt", "continue_final_message"):
+        if getattr(req, name) is not None and req.messages is None:
+            raise APIError(400, f"{name} goes with messages, not with a prompt", param=name)
+    if req.messages is not None and req.add_special_tokens:
+        raise APIError(
+            400,
+            "add_special_tokens goes with a prompt: the chat template writes the special tokens of messages",
+            param="add_special_tokens",
+        )
+    chat, opening = None, {}
     if req.messages is not None:
         chat = parse(ChatCompletionRequest, {"model": state.model_name, "messages": req.messages, "tools": req.tools})
         chat.check_supported()
-    ids = await encode(state, chat, req.prompt, prompt_param="prompt" if chat is None else "messages")
+        opening = {"add_generation_prompt": req.add_generation_prompt is not False}
+        opening["continue_final_message"] = bool(req.continue_final_message)
+    special = req.add_special_tokens is not False
+    ids = await encode(state, chat, req.prompt, "prompt" if chat is None else "messages", special, opening)
     strs = state.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return JSONResponse(
         {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}

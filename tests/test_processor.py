@@ -1,13 +1,14 @@
 """InputProcessor: prompts bounded before tokenizing, model-dependent parameter limits, chat
 content that cannot forge control tokens, and Sequences built whole."""
 
+import copy
 import random
 
 import pytest
 
 from specstream.errors import InvalidRequestError
 from specstream.model.loader import load_tokenizer, resolve_model
-from specstream.engine.processor import InputProcessor
+from specstream.engine.processor import ChatPrompt, InputProcessor
 from specstream.sampling import SamplingParams
 
 CHATS = [
@@ -163,3 +164,29 @@ def test_unseeded_requests_draw_their_seeds_from_the_processors_rng(tiny_model_d
     draws = [[p.process("Hi", None, str(i)).seed for i in range(3)] for p in procs]
     assert draws[0] == draws[1] != draws[2]
     assert len(set(draws[0])) == 3
+
+
+def test_a_strings_special_tokens_and_a_chats_opening_are_the_callers_choice(tiny_model_dir):
+    """add_special_tokens reaches a string's tokenizing (here a tokenizer that adds a BOS token), and a
+    ChatPrompt's add_generation_prompt and continue_final_message reach the template, as transformers' own."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(load_tokenizer(resolve_model(str(tiny_model_dir))))
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    p = processor(tok)
+    text = "The quick brown fox"
+    assert p.encode(text) == [bos] + p.encode(text, add_special_tokens=False)
+    convo = CHATS[2]
+
+    def template(**kw) -> list[int]:
+        return list(tok.apply_chat_template(convo, tokenize=True, return_dict=False, **kw))
+
+    assert p.encode(ChatPrompt(convo)) == p.encode(convo) == template(add_generation_prompt=True)
+    assert p.encode(ChatPrompt(convo, add_generation_prompt=False)) == template(add_generation_prompt=False)
+    continued = ChatPrompt(convo, add_generation_prompt=False, continue_final_message=True)
+    assert p.encode(continued) == template(continue_final_message=True) != template()
+    with pytest.raises(InvalidRequestError) as refused:
+        p.encode(ChatPrompt(convo, continue_final_message=True))
+    assert refused.value.param == "continue_final_message"
+

@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -293,10 +294,37 @@ def test_tokenize_and_detokenize_round_trip(server, client):
     assert post(server, "/tokenize", {"messages": CHAT}).json()["count"] == chat.usage.prompt_tokens
 
 
+def test_tokenize_takes_vllms_template_and_special_token_options(server, tiny_model_dir):
+    """add_generation_prompt (default true) opens the assistant turn after the messages; continue_final_message
+    leaves the last message open instead; add_special_tokens, with a prompt, is the tokenizer's own."""
+    convo = [*CHAT, {"role": "assistant", "content": "The quick"}]
+
+    def tokens(body: dict) -> list[int]:
+        r = post(server, "/tokenize", body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    opened = tokens({"messages": convo})
+    closed = tokens({"messages": convo, "add_generation_prompt": False})
+    continued = tokens({"messages": convo, "add_generation_prompt": False, "continue_final_message": True})
+    assert len(opened) > len(closed) and opened[: len(closed)] == closed
+    assert len(continued) < len(closed) and closed[: len(continued)] == continued
+    assert post(server, "/detokenize", {"tokens": continued}).json()["prompt"].endswith("The quick")
+    assert tokens({"messages": convo, "add_special_tokens": False}) == opened
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokens({"prompt": PROMPT}) == tokenizer.encode(PROMPT)
+    assert tokens({"prompt": PROMPT, "add_special_tokens": False}) == tokenizer.encode(PROMPT, add_special_tokens=False)
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
         ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": False}, 400, "continue_final_message"),
+        ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+        ("/tokenize", {"messages": CHAT, "add_generation_prompt": "yes"}, 400, "add_generation_prompt"),
         ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "messages"),
         ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model"),
         ("/tokenize", {"prompt": "a" * 40_000}, 400, "prompt"),

@@ -330,11 +330,12 @@ class AsyncEngine:
             last = chunk
         return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
 
-    async def encode(self, prompt) -> list[int]:
+    async def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
         """The token ids stream() would give prompt (a string, chat messages or a ChatPrompt), bounded the
-        same way, tokenized on the tokenizer thread; raises InvalidRequestError or EngineDeadError."""
+        same way, tokenized on the tokenizer thread; raises InvalidRequestError or EngineDeadError.
+        add_special_tokens=False: a string without the tokenizer's own special tokens (its BOS)."""
         self._check_accepting()
-        return await self._loop.run_in_executor(self._tokenizing, self._processor.encode, prompt)
+        return await self._loop.run_in_executor(self._tokenizing, self._processor.encode, prompt, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
         """Token ids (within the vocabulary, fewer than the context) as text, on the tokenizer thread."""

@@ -49,10 +49,15 @@ class ChatPrompt:
     messages: dicts with a string "role" and "content"; an assistant message may carry "tool_calls"
     ([{"id": str, "type": "function", "function": {"name": str, "arguments": dict}}], content then
     may be empty) and a "tool" message a "tool_call_id". tools: OpenAI tool definitions, handed to
-    the template (None: no tools offered this turn). See template_calls_tools for which templates."""
+    the template (None: no tools offered this turn). See template_calls_tools for which templates.
+    add_generation_prompt: end with the template's opening of an assistant turn (what generation continues);
+    continue_final_message: leave the last message open instead, so that generation continues its text (the
+    two exclude each other; transformers' apply_chat_template options of the same names)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def template_calls_tools(tokenizer) -> bool:
@@ -113,16 +118,24 @@ class InputProcessor:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, prompt) -> list[int]:
-        """A string, a list of chat messages, or a list of token ids -> token ids, refused
-        (InvalidRequestError, param "prompt") when malformed or too long for the context."""
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """A string, a list of chat messages, a ChatPrompt or a list of token ids -> token ids, refused
+        (InvalidRequestError, param "prompt") when malformed or too long for the context. add_special_tokens: a
+        string's, the tokenizer's own (a BOS token, for tokenizers that add one); a chat template writes its own."""
         if isinstance(prompt, str):
             self._check_chars(len(prompt))
-            ids = self.tokenizer.encode(_valid_text(prompt))
+            ids = self.tokenizer.encode(_valid_text(prompt), add_special_tokens=add_special_tokens)
         elif _is_chat(prompt):
             ids = self._encode_chat(list(prompt))
         elif isinstance(prompt, ChatPrompt):
-            ids = self._encode_chat(list(prompt.messages), prompt.tools)
+            if prompt.add_generation_prompt and prompt.continue_final_message:
+                raise InvalidRequestError(
+                    "add_generation_prompt and continue_final_message cannot both be true: the one opens a new "
+                    "assistant turn, the other continues the last message",
+                    param="continue_final_message",
+                )
+            opening = (prompt.add_generation_prompt, prompt.continue_final_message)
+            ids = self._encode_chat(list(prompt.messages), prompt.tools, *opening)
         elif isinstance(prompt, (list, tuple)):
             ids = self._token_ids(prompt)
         else:
@@ -138,7 +151,9 @@ class InputProcessor:
         """Token ids as text (special tokens included), refused like a prompt of token ids when malformed."""
         return self.tokenizer.decode(self._token_ids(token_ids))
 
-    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True, continued: bool = False
+    ) -> list[int]:
         chars = 0
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -180,7 +195,8 @@ class InputProcessor:
             ids = self.tokenizer.apply_chat_template(
                 messages,
                 **({"tools": tools} if tools else {}),
-                add_generation_prompt=True,
+                add_generation_prompt=generation,
+                continue_final_message=continued,
                 tokenize=True,
                 return_dict=False,
                 sanitize_control_tokens=not self.allow_special_tokens_in_content,
