@@ -69,6 +69,8 @@ class _SamplingFields(_Strict):
     user: str | None = None
     # vLLM-style extras (through extra_body)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
     ignore_eos: bool = False
     speculative: SpeculativeOptions | Literal["off"] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -157,6 +159,8 @@ class _SamplingFields(_Strict):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             seed=None if self.seed is None else _wrap_int64(self.seed + seed_offset),
             stop=self.stops,
             presence_penalty=self.presence_penalty,

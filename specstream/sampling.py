@@ -111,11 +111,13 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables it
+    min_p: float = 0.0  # keep the tokens at least this share of the likeliest one's probability; 0 disables it
     seed: int | None = None  # any integer; requests without one get a seed from the engine
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: a prompt or output token's logit / it (positive) or * it (negative)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
@@ -132,12 +134,16 @@ class SamplingParams:
         if self.top_p == 0.0:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         _integer(self.top_k, "top_k", low=0)
+        self.min_p = _real(self.min_p, "min_p", low=0.0, high=1.0)
         if self.seed is not None:
             _integer(self.seed, "seed")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.presence_penalty = _real(self.presence_penalty, "presence_penalty", low=-2.0, high=2.0)
         self.frequency_penalty = _real(self.frequency_penalty, "frequency_penalty", low=-2.0, high=2.0)
+        self.repetition_penalty = _real(self.repetition_penalty, "repetition_penalty", low=0.0, high=2.0)
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequestError("repetition_penalty must be in (0, 2]", param="repetition_penalty")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false", param=name)
@@ -157,7 +163,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _integer(value, name: str, low: int | None = None, high: int | None = None) -> int:
@@ -236,9 +242,27 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
 
 
-def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row temperature, top-k and top-p, then softmax. logits [R, V] float32; params [R]."""
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's (and CTRL's) repetition penalty: the logit of each token in seen ([R, V] bool: in the prompt or the
+    output so far) divided by penalty where positive, multiplied by it where not, so penalty > 1 makes a repeat
+    less likely either way."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def probabilities(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row temperature, min-p, top-k and top-p, then softmax. logits [R, V] float32; params [R]. min-p (vLLM's
+    order: after temperature, before top-k and top-p) drops the tokens whose probability is below min_p times the
+    likeliest token's, which is a ratio of probabilities and so a difference of logits: log(min_p) below the top."""
     logits = logits / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        floor = logits.max(-1, keepdim=True).values + torch.log(min_p)[:, None]  # min_p 0: -inf, nothing dropped
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
@@ -260,11 +284,25 @@ def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) ->
     sampled draft is drawn from (its q) and the rows verifying it (p). float32 rows on CPU take specstream's kernel
     where it is loaded (kernels/csrc/sample_rows.cpp's probability_rows: the distribution sampling.draw's kernel
     draws from, cut by a selection of the best tokens instead of a sort of the vocabulary, which for a row with
-    top-k or top-p cost more than the step's forward); others torch_probabilities_for. The two round differently,
-    and order tied logits differently for top-k."""
-    if _kernel_serves(logits):
+    top-k or top-p cost more than the step's forward); others, and rows with min-p, which the kernel does not cut,
+    torch_probabilities_for. The two round differently, and order tied logits differently for top-k."""
+    if not _kernel_serves(logits):
+        return torch_probabilities_for(logits, row_params)
+    cut, rest = _min_p_rows(row_params)
+    if not cut:
         return torch.ops.specstream.probability_rows(_unit_rows(logits), *_kernel_columns(row_params))
-    return torch_probabilities_for(logits, row_params)
+    out = torch.empty_like(logits)
+    if rest:
+        out[rest] = torch.ops.specstream.probability_rows(logits[rest], *_kernel_columns([row_params[i] for i in rest]))
+    out[cut] = torch_probabilities_for(logits[cut], [row_params[i] for i in cut])
+    return out
+
+
+def _min_p_rows(row_params: list[SamplingParams]) -> tuple[list[int], list[int]]:
+    """The rows with min-p (torch's ops serve them) and the others (the kernels'), so that a row takes the same
+    path whatever the other rows of its step ask for."""
+    cut = [i for i, p in enumerate(row_params) if p.min_p > 0]
+    return cut, ([i for i in range(len(row_params)) if row_params[i].min_p <= 0] if cut else [])
 
 
 def torch_probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
@@ -273,10 +311,11 @@ def torch_probabilities_for(logits: torch.Tensor, row_params: list[SamplingParam
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in row_params], device=logits.device)
 
-    if not any(p.top_k > 0 or p.top_p < 1 for p in row_params):
+    if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in row_params):
         # probabilities() without a filter, the same ops: its checks of the filters read two tensors back
         return (logits / column("temperature")[:, None]).softmax(-1)
-    return probabilities(logits, column("temperature"), column("top_k"), column("top_p"))
+    min_p = column("min_p") if any(p.min_p > 0 for p in row_params) else None
+    return probabilities(logits, column("temperature"), column("top_k"), column("top_p"), min_p)
 
 
 def _kernel_serves(logits: torch.Tensor) -> bool:
@@ -324,8 +363,16 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
     of the best tokens for top-k and top-p instead of a sort of the vocabulary, and no [R, V] tensor made); others
     torch_probabilities_for and sample_from. The kernel and the torch ops round differently (and order tied logits
     differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
-    before a token against top_p, falls within rounding of a boundary."""
-    if _kernel_serves(logits):
+    before a token against top_p, falls within rounding of a boundary. Rows with min-p take torch's ops."""
+    if not _kernel_serves(logits):
+        return sample_from(torch_probabilities_for(logits, row_params), uniforms)
+    cut, rest = _min_p_rows(row_params)
+    if not cut:
         columns = _kernel_columns(row_params)
         return torch.ops.specstream.sample_rows(_unit_rows(logits), *columns, uniforms.to(torch.float64))
-    return sample_from(torch_probabilities_for(logits, row_params), uniforms)
+    out = torch.empty(len(row_params), dtype=torch.long)
+    if rest:
+        columns = _kernel_columns([row_params[i] for i in rest])
+        out[rest] = torch.ops.specstream.sample_rows(logits[rest], *columns, uniforms[rest].to(torch.float64))
+    out[cut] = sample_from(torch_probabilities_for(logits[cut], [row_params[i] for i in cut]), uniforms[cut])
+    return out

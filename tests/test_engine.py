@@ -67,6 +67,24 @@ def test_penalties_apply_identically_with_and_without_speculation(tiny_model_dir
     assert want[0].token_ids != plain.generate(PROMPTS[0], GREEDY)[0].token_ids[:30]
 
 
+def test_repetition_penalty_and_min_p_apply_identically_with_and_without_speculation(tiny_model_dir, plain):
+    """vLLM's repetition_penalty (over the prompt and output, each verified row counting the drafts before it) and
+    min_p change the output, and speculation does not change it: greedy, and seeded sampling."""
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.8)
+    want = plain.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == [o.token_ids for o in want]
+    assert want[0].token_ids != plain.generate(PROMPTS[0], GREEDY)[0].token_ids[:30]
+    sampled = [
+        SamplingParams(max_tokens=30, temperature=1.2, min_p=0.1, repetition_penalty=1.3, seed=s, ignore_eos=True)
+        for s in range(len(PROMPTS))
+    ]
+    first = [o.token_ids for o in plain.generate(PROMPTS, sampled)]
+    assert [o.token_ids for o in spec.generate(PROMPTS, sampled)] == first
+    free = [SamplingParams(max_tokens=30, temperature=1.2, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]
+    assert [o.token_ids for o in plain.generate(PROMPTS, free)] != first
+
+
 def test_seeded_sampling_is_reproducible_and_ngram_does_not_change_it(tiny_model_dir, plain):
     params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]
     first = [o.token_ids for o in plain.generate(PROMPTS, params)]
@@ -75,28 +93,46 @@ def test_seeded_sampling_is_reproducible_and_ngram_does_not_change_it(tiny_model
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == first
 
 
-def test_draft_model_sampling_keeps_target_distribution(tiny_model_dir, tiny_draft_dir):
+@pytest.mark.parametrize(
+    "extra", [{}, {"min_p": 0.05, "repetition_penalty": 1.5}], ids=["plain", "min_p-and-repetition-penalty"]
+)
+def test_draft_model_sampling_keeps_target_distribution(tiny_model_dir, tiny_draft_dir, extra):
     """The second output token passes through the rejection sampler (its draft comes from
     the draft model); its frequencies over many seeds must match the exact marginal
-    sum_t1 p(t1) p(t2 | t1) computed from the target model, within 5 standard deviations."""
+    sum_t1 p(t1) p(t2 | t1) computed from the target model, within 5 standard deviations. With min_p and
+    repetition_penalty, p is the distribution they define (the second row penalizing the first token too)."""
     from specstream.model.loader import load_model, resolve_model
+    from specstream.sampling import apply_repetition_penalty, probabilities
 
     prompt = [5, 40, 7, 99, 12]
     n = 3000
     spec = engine(tiny_model_dir, "draft", k=3, spec={"draft_model": str(tiny_draft_dir)}, max_num_seqs=256, max_num_batched_tokens=2048)
     # max_tokens=3: a draft is verified only where it can be kept (one draft here, the round's bonus token beside
     # it); in waves whose prompts are prefilled in one step, as a step that feeds a prompt drafts nothing
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **extra) for s in range(n)]
     outs = [o for i in range(0, n, 250) for o in spec.generate([prompt] * len(params[i : i + 250]), params[i : i + 250])]
     assert sum(o.stats.drafted for o in outs) >= n
     second = torch.tensor([o.token_ids[1] for o in outs])
 
     ref = load_model(resolve_model(str(tiny_model_dir)))
+    def dist(logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        if not extra:
+            return logits.softmax(-1)
+        logits = apply_repetition_penalty(logits, seen, extra["repetition_penalty"])
+        rows = logits.shape[0]
+        ones, none = torch.ones(rows), torch.zeros(rows, dtype=torch.long)
+        return probabilities(logits, ones, none, ones, torch.full((rows,), extra["min_p"]))
+
     with torch.inference_mode():
-        p1 = ref(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        vocab = p1.shape[0]
+        logits1 = ref(torch.tensor([prompt])).logits[0, -1:].float()
+        vocab = logits1.shape[-1]
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[prompt] = True
+        p1 = dist(logits1, seen[None])[0]
         batch = torch.cat([torch.tensor([prompt]).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = ref(batch).logits[:, -1].softmax(-1)
+        seen2 = seen[None].repeat(vocab, 1)
+        seen2[torch.arange(vocab), torch.arange(vocab)] = True  # the first token, as output before the second
+        p2 = dist(ref(batch).logits[:, -1].float(), seen2)
     marginal = (p1[:, None] * p2).sum(0).double()
     freq = torch.bincount(second, minlength=vocab).double() / n
     bound = 5 * torch.sqrt(marginal * (1 - marginal) / n) + 1.0 / n

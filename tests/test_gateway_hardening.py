@@ -142,6 +142,10 @@ BAD_NUMBERS = [
     ("top_p", 0),
     ("presence_penalty", 2**70),
     ("frequency_penalty", -3),
+    ("min_p", 1.5),
+    ("min_p", -0.1),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", 2**70),
 ]
 
 
@@ -265,6 +269,8 @@ PLAUSIBLE = {
     "top_logprobs": st.integers(0, 20),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
     "user": SHORT_TEXT,
     "ignore_eos": st.booleans(),
     "speculative": st.just("off")
@@ -289,6 +295,8 @@ COMMON_FIELDS = [
     "stream_options",
     "presence_penalty",
     "frequency_penalty",
+    "min_p",
+    "repetition_penalty",
     "user",
     "ignore_eos",
     "speculative",

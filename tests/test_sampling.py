@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from specstream.errors import InvalidRequestError
-from specstream.sampling import SamplingParams, apply_penalties, probabilities, reduce_seed, uniform
+from specstream.sampling import (
+    SamplingParams,
+    apply_penalties,
+    apply_repetition_penalty,
+    probabilities,
+    reduce_seed,
+    uniform,
+)
 
 
 def test_uniform_is_a_pure_function_of_seed_position_and_stream():
@@ -28,6 +35,25 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     probs = probabilities(probs_in.log(), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.75]))
     assert (probs[0] > 0).tolist() == [True, True, False, False]
     torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_likeliest():
+    probs_in = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    min_p = torch.tensor([0.25, 0.0])
+    probs = probabilities(probs_in.log(), torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]), min_p)
+    assert (probs[0] > 0).tolist() == [True, True, True, False]  # 0.15 >= 0.25 * 0.5; 0.05 is not
+    torch.testing.assert_close(probs[0, :3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    torch.testing.assert_close(probs[1], probs_in[0])  # min_p 0 drops nothing
+    # after temperature, before top-p: at T=2 the tail is within the share, and top-p cuts what is left
+    hot = probabilities(probs_in[:1].log(), torch.tensor([2.0]), torch.tensor([0]), torch.tensor([0.6]), min_p[:1])
+    assert (hot[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, 2.0)
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
 
 
 def test_temperature_sharpens():
@@ -56,6 +82,10 @@ def test_penalties_subtract_frequency_and_presence():
         {"top_k": -1},
         {"presence_penalty": 3.0},
         {"frequency_penalty": float("inf")},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": 2.5},
         {"stop": [""]},
     ],
 )
@@ -85,6 +115,8 @@ def test_bad_params_are_refused(kwargs):
         ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
         ({"presence_penalty": 2**70}, "presence_penalty"),
         ({"frequency_penalty": "0"}, "frequency_penalty"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"repetition_penalty": "1.1"}, "repetition_penalty"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"logprobs": 21}, "logprobs"),
@@ -173,6 +205,30 @@ def test_the_sampling_kernel_draws_the_tokens_torchs_ops_draw(vocab):
     for edge in (0.0, 1 - 2**-53):
         picked = draw(logits, params, torch.full((rows,), edge, dtype=torch.float64))
         assert torch.isfinite(logits.gather(1, picked[:, None])).all()
+
+
+def test_rows_with_min_p_take_torchs_ops_and_the_others_the_kernel_whatever_their_step_holds():
+    """A step mixing rows with and without min-p: each row draws the token it draws alone (min-p rows by torch's
+    ops, which the kernel does not cut; the others by the kernel, as in a step without min-p), and never a token
+    below its min-p share; probabilities_for gives each row's distribution the same way."""
+    from specstream.sampling import draw, probabilities_for, torch_probabilities_for
+
+    _loaded_kernels()
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 64, 300
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, min_p=0.2 if i % 3 == 0 else 0.0) for i in range(rows)]
+    us = torch.rand(rows, generator=g, dtype=torch.float64)
+    drawn = draw(logits, params, us)
+    alone = [int(draw(logits[i : i + 1], params[i : i + 1], us[i : i + 1])[0]) for i in range(rows)]
+    assert drawn.tolist() == alone
+    plain = [i for i in range(rows) if params[i].min_p == 0]
+    assert drawn[plain].tolist() == draw(logits[plain], [params[i] for i in plain], us[plain]).tolist()
+    probs = probabilities_for(logits, params)
+    for i in range(0, rows, 3):
+        torch.testing.assert_close(probs[i], torch_probabilities_for(logits[i : i + 1], params[i : i + 1])[0])
+        assert probs[i, drawn[i]] >= 0.2 * probs[i].max()
+        assert ((probs[i] == 0) == (logits[i] / 0.8 < (logits[i] / 0.8).max() + math.log(0.2))).all()
     transposed = logits.t().contiguous().t()  # the same rows laid out column by column
     assert draw(transposed, params, us).tolist() == drawn.tolist()
 

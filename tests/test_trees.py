@@ -192,15 +192,21 @@ def test_sampled_tree_with_q_emits_the_target_distribution_and_accepts_more_than
         assert accepted > 1.2 * sum(r.num_accepted for r in verify_round(one_hot)), accepted
 
 
-def test_penalties_count_each_rows_own_ancestors():
-    params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5)
+@pytest.mark.parametrize(
+    "penalties",
+    [{"presence_penalty": 1.5, "frequency_penalty": 0.5}, {"repetition_penalty": 1.7}],
+    ids=["presence-frequency", "repetition"],
+)
+def test_penalties_count_each_rows_own_ancestors(penalties):
+    params = SamplingParams(temperature=0, **penalties)
     seq = _seq(params)
-    logits = torch.zeros(1 + len(TOKENS), 32)
+    logits = torch.ones(1 + len(TOKENS), 32)
     tree = _penalize(Round(seq, Draft(TOKENS, parents=PARENTS), logits))
     for j, path in PATHS.items():
-        chain = _penalize(Round(seq, Draft([TOKENS[i] for i in path]), torch.zeros(1 + len(path), 32)))
+        chain = _penalize(Round(seq, Draft([TOKENS[i] for i in path]), torch.ones(1 + len(path), 32)))
         torch.testing.assert_close(tree[j + 1], chain[-1])
-    torch.testing.assert_close(tree[0], _penalize(Round(seq, Draft([]), torch.zeros(1, 32)))[0])
+    torch.testing.assert_close(tree[0], _penalize(Round(seq, Draft([]), torch.ones(1, 32)))[0])
+    assert not torch.equal(tree[-1], tree[0])  # the drafts before a row count
 
 
 class TreeProposer(Proposer):

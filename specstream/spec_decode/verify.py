@@ -48,6 +48,7 @@ from specstream.sampling import (
     STREAM_TREE_ACCEPT,
     argmax_rows,
     apply_penalties,
+    apply_repetition_penalty,
     draw,
     probabilities_for,
     sample_from,
@@ -176,27 +177,36 @@ def verify_round(rounds: list[Round]) -> list[RoundResult]:
 
 
 def _penalize(r: Round) -> torch.Tensor:
-    """The round's logits with presence/frequency penalties over the output so far, each
-    row counting the drafts before it as generated."""
+    """The round's logits with presence/frequency penalties over the output so far and the repetition penalty over
+    the prompt and output, each row counting the drafts before it as generated."""
     p = r.seq.params
     if not p.has_penalties:
         return r.logits
     rows, vocab, device = r.logits.shape[0], r.logits.shape[-1], r.logits.device
-    counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
-    counts = counts.to(device=device, dtype=r.logits.dtype).expand(rows, -1).clone()
+    drafted = torch.zeros(rows, vocab, dtype=r.logits.dtype)  # each row's drafts before it, as generated
     if r.draft.is_tree:
         # Row j + 1 follows draft j and its ancestors: it counts them as generated.
         for j in range(r.k):
             a = j
             while a >= 0:
-                counts[j + 1, r.draft.tokens[a]] += 1
+                drafted[j + 1, r.draft.tokens[a]] += 1
                 a = r.draft.parents[a]
     else:
         for i, tok in enumerate(r.draft.tokens):
-            counts[i + 1 :, tok] += 1
-    presence = torch.full((rows,), p.presence_penalty, device=device)
-    frequency = torch.full((rows,), p.frequency_penalty, device=device)
-    return apply_penalties(r.logits, counts, presence, frequency)
+            drafted[i + 1 :, tok] += 1
+    drafted = drafted.to(device)
+    logits = r.logits
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        counts = counts.to(device=device, dtype=r.logits.dtype) + drafted
+        presence = torch.full((rows,), p.presence_penalty, device=device)
+        frequency = torch.full((rows,), p.frequency_penalty, device=device)
+        logits = apply_penalties(logits, counts, presence, frequency)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(r.seq.token_ids, dtype=torch.long)] = True  # the prompt's tokens and the output's
+        logits = apply_repetition_penalty(logits, seen.to(device) | (drafted > 0), p.repetition_penalty)
+    return logits
 
 
 def _probabilities(rounds: list[Round], logits: list[torch.Tensor]) -> list[torch.Tensor]:
