@@ -111,13 +111,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables it
-    min_p: float = 0.0  # keep the tokens at least this share of the likeliest one's probability; 0 disables it
     seed: int | None = None  # any integer; requests without one get a seed from the engine
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's: a prompt or output token's logit / it (positive) or * it (negative)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
@@ -125,6 +123,9 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
     structured: StructuredOutput | None = None  # [structured] the grammar the output must match
     logit_bias: dict[int, float] | None = None  # [structured] added to the logits of these token ids
+    # vLLM's extras, last so that positional arguments keep their meaning
+    min_p: float = 0.0  # keep the tokens at least this share of the likeliest one's probability; 0 disables it
+    repetition_penalty: float = 1.0  # vLLM's: a prompt or output token's logit / it (positive) or * it (negative)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
