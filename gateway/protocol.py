@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
     speculative: SpeculativeOptions | Literal["off"] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -161,6 +162,7 @@ class _SamplingFields(_Strict):
             top_k=max(self.top_k or 0, 0),
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
             seed=None if self.seed is None else _wrap_int64(self.seed + seed_offset),
             stop=self.stops,
             presence_penalty=self.presence_penalty,

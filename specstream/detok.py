@@ -17,8 +17,12 @@ _MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings are looked for from this many output tokens on (vLLM's)
+        self._outputs = 0
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -37,6 +41,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> bool:
         """Append one token; return True when it completed a stop string."""
         self._tokens.append(token_id)
+        self._outputs += 1
         prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset :])
         held = len(self._tokens) - self._read_offset
@@ -48,7 +53,9 @@ class IncrementalDetokenizer:
         self.text += new
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
-        if self.stop:
+        if self.stop and self._outputs < self.min_tokens:
+            self._searched = len(self.text)  # text of the first min_tokens tokens never stops the output
+        elif self.stop:
             start = max(0, self._searched - self._hold)
             hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             self._searched = len(self.text)

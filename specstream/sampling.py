@@ -126,6 +126,7 @@ class SamplingParams:
     # vLLM's extras, last so that positional arguments keep their meaning
     min_p: float = 0.0  # keep the tokens at least this share of the likeliest one's probability; 0 disables it
     repetition_penalty: float = 1.0  # vLLM's: a prompt or output token's logit / it (positive) or * it (negative)
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -157,6 +158,12 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):  # [structured]
             raise InvalidRequestError("structured must be a StructuredOutput", param="structured")
         self.logit_bias = check_logit_bias(self.logit_bias)  # [structured]
+        _integer(self.min_tokens, "min_tokens", low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens must be at most max_tokens", param="min_tokens")
+        if self.min_tokens and self.structured is not None:
+            # a grammar may be complete (and allow only its end) before min_tokens
+            raise InvalidRequestError("min_tokens cannot be combined with a structured output", param="min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -95,6 +95,7 @@ class Sequence:
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.detokenizer = detokenizer
         self.constraint = None  # [structured] structured.Constraint (grammar, logit bias), set by the processor
+        self.held_ends: list[int] = []  # tokens that may not be drawn before params.min_tokens (EOS, stop tokens)
         self.acceptance = Acceptance()  # its drafts' history, for the k policy (spec_decode/policy.py)
 
     @property

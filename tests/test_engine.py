@@ -85,6 +85,26 @@ def test_repetition_penalty_and_min_p_apply_identically_with_and_without_specula
     assert [o.token_ids for o in plain.generate(PROMPTS, free)] != first
 
 
+def test_min_tokens_holds_back_every_end_and_speculation_does_not_change_the_output(tiny_model_dir, plain):
+    """vLLM's min_tokens: before it, no stop token (nor EOS) is drawn and no stop string ends the output; after
+    it, they end it as before. The same tokens with drafts (every verified row holds the ends by its position)."""
+    spec = engine(tiny_model_dir, "ngram", k=4)
+    free = plain.generate(PROMPTS, GREEDY)
+    for out, prompt in zip(free, PROMPTS):
+        stop_token = out.token_ids[2]
+        params = SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token], min_tokens=12)
+        got = plain.generate(prompt, params)[0]
+        assert len(got.token_ids) >= 12 and stop_token not in got.token_ids[:11]
+        assert spec.generate(prompt, params)[0].token_ids == got.token_ids
+        stop_text = out.text[: max(1, len(out.text) // 8)]  # the output's start: it would stop at once
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop_text], min_tokens=10)
+        got = plain.generate(prompt, params)[0]
+        assert len(got.token_ids) >= 10 and spec.generate(prompt, params)[0].token_ids == got.token_ids
+    sampled = [SamplingParams(max_tokens=20, temperature=1.0, min_tokens=15, seed=s) for s in range(len(PROMPTS))]
+    want = [o.token_ids for o in plain.generate(PROMPTS, sampled)]
+    assert all(len(t) >= 15 for t in want) and [o.token_ids for o in spec.generate(PROMPTS, sampled)] == want
+
+
 def test_seeded_sampling_is_reproducible_and_ngram_does_not_change_it(tiny_model_dir, plain):
     params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]
     first = [o.token_ids for o in plain.generate(PROMPTS, params)]

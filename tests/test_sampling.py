@@ -8,6 +8,7 @@ import torch
 from specstream.errors import InvalidRequestError
 from specstream.sampling import (
     SamplingParams,
+    StructuredOutput,
     apply_penalties,
     apply_repetition_penalty,
     probabilities,
@@ -86,6 +87,8 @@ def test_penalties_subtract_frequency_and_presence():
         {"min_p": 1.5},
         {"repetition_penalty": 0.0},
         {"repetition_penalty": 2.5},
+        {"min_tokens": -1},
+        {"min_tokens": 5, "max_tokens": 4},
         {"stop": [""]},
     ],
 )
@@ -117,6 +120,9 @@ def test_bad_params_are_refused(kwargs):
         ({"frequency_penalty": "0"}, "frequency_penalty"),
         ({"min_p": float("nan")}, "min_p"),
         ({"repetition_penalty": "1.1"}, "repetition_penalty"),
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"min_tokens": 2, "structured": StructuredOutput(regex="[ab]+")}, "min_tokens"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"logprobs": 21}, "logprobs"),

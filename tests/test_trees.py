@@ -209,6 +209,23 @@ def test_penalties_count_each_rows_own_ancestors(penalties):
     assert not torch.equal(tree[-1], tree[0])  # the drafts before a row count
 
 
+def test_min_tokens_holds_the_ends_on_each_row_by_its_own_depth():
+    """With 3 tokens out and min_tokens 5, the rows deciding output positions 3 and 4 (row 0, and the rows after
+    the depth-1 drafts) may not draw EOS or a stop token; the rows after deeper drafts may."""
+    from specstream.spec_decode.verify import _hold_ends
+
+    seq = _seq(SamplingParams(temperature=0, min_tokens=5, max_tokens=20, stop_token_ids=[7]))
+    seq.held_ends = [2, 7]
+    held = _hold_ends(Round(seq, Draft(TOKENS, parents=PARENTS), torch.zeros(1 + len(TOKENS), 32)))
+    depths = [0] + [len(PATHS[j]) for j in range(len(TOKENS))]
+    for row, depth in enumerate(depths):
+        ends = held[row, [2, 7]]
+        assert bool(torch.isinf(ends).all()) == (depth < 2), (row, depth)
+        assert torch.isfinite(held[row, :2]).all() and torch.isfinite(held[row, 8:]).all()
+    chain = _hold_ends(Round(seq, Draft([11, 12, 13]), torch.zeros(4, 32)))
+    assert [bool(torch.isinf(chain[row, 7])) for row in range(4)] == [True, True, False, False]
+
+
 class TreeProposer(Proposer):
     """Offers, each round, a tree whose second branch is the plain greedy continuation (known from a
     reference run) and whose first branch is wrong: every accepted path is a non-first branch, so the

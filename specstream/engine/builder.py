@@ -138,6 +138,7 @@ class EngineBuilder:
             max_prompt_chars=config.max_prompt_chars,
             allow_special_tokens_in_content=config.allow_special_tokens_in_content,
             structured=structured,
+            eos_token_ids=frozenset(eos_token_ids),
         )
         resident.mark("calibration")
         if background:

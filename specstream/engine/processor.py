@@ -82,6 +82,7 @@ class InputProcessor:
     allow_special_tokens_in_content: bool = False
     arrivals: Iterator[int] = field(default_factory=itertools.count)
     structured: StructuredDecoding | None = None  # [structured] compiles each request's grammar (thread-safe)
+    eos_token_ids: frozenset[int] = frozenset()  # held back, with a request's stop tokens, before its min_tokens
 
     def __post_init__(self) -> None:
         if self.max_prompt_chars is None:
@@ -99,13 +100,18 @@ class InputProcessor:
         ids = self.encode(prompt)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(64)
-        detokenizer = IncrementalDetokenizer(self.output_tokenizer, ids, params.stop, params.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(
+            self.output_tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens
+        )
         # [structured] the grammar compiles (or comes from the cache) here, before admission: a bad one is refused
         constraint = self.structured.constraint_for(params) if self.structured is not None else None
         seq = Sequence(
             request_id, ids, params, next(self.arrivals), seed=seed, max_tokens=max_tokens, detokenizer=detokenizer
         )
         seq.constraint = constraint
+        if params.min_tokens:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            seq.held_ends = sorted(t for t in ends if t < self.vocab_size)
         return seq
 
     def check_params(self, params: SamplingParams) -> None:

@@ -180,8 +180,9 @@ def _penalize(r: Round) -> torch.Tensor:
     """The round's logits with presence/frequency penalties over the output so far and the repetition penalty over
     the prompt and output, each row counting the drafts before it as generated."""
     p = r.seq.params
+    logits = _hold_ends(r)
     if not p.has_penalties:
-        return r.logits
+        return logits
     rows, vocab, device = r.logits.shape[0], r.logits.shape[-1], r.logits.device
     drafted = torch.zeros(rows, vocab, dtype=r.logits.dtype)  # each row's drafts before it, as generated
     if r.draft.is_tree:
@@ -195,7 +196,6 @@ def _penalize(r: Round) -> torch.Tensor:
         for i, tok in enumerate(r.draft.tokens):
             drafted[i + 1 :, tok] += 1
     drafted = drafted.to(device)
-    logits = r.logits
     if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
         counts = torch.bincount(torch.tensor(r.seq.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
         counts = counts.to(device=device, dtype=r.logits.dtype) + drafted
@@ -206,6 +206,19 @@ def _penalize(r: Round) -> torch.Tensor:
         seen = torch.zeros(vocab, dtype=torch.bool)
         seen[torch.tensor(r.seq.token_ids, dtype=torch.long)] = True  # the prompt's tokens and the output's
         logits = apply_repetition_penalty(logits, seen.to(device) | (drafted > 0), p.repetition_penalty)
+    return logits
+
+
+def _hold_ends(r: Round) -> torch.Tensor:
+    """The round's logits with the sequence's held ends (EOS, its stop tokens) at -inf on every row that decides an
+    output position before params.min_tokens (row j: the position after the drafts on its path)."""
+    before = r.seq.params.min_tokens - r.seq.num_output_tokens  # rows deciding positions below min_tokens
+    if not r.seq.held_ends or before <= 0:
+        return r.logits
+    depths = [0] + (draft_depths(r.draft.parents) if r.draft.is_tree else list(range(1, len(r.draft.tokens) + 1)))
+    rows = [j for j, d in enumerate(depths) if d < before]
+    logits = r.logits.clone()
+    logits[torch.tensor(rows)[:, None], torch.tensor(r.seq.held_ends)[None, :]] = float("-inf")
     return logits
 
 
