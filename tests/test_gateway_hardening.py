@@ -146,6 +146,8 @@ BAD_NUMBERS = [
     ("min_p", -0.1),
     ("repetition_penalty", 0),
     ("repetition_penalty", 2**70),
+    ("min_tokens", -1),
+    ("min_tokens", 2**40),
 ]
 
 
@@ -271,6 +273,7 @@ PLAUSIBLE = {
     "frequency_penalty": st.floats(-2, 2),
     "min_p": st.floats(0, 1),
     "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 8),
     "user": SHORT_TEXT,
     "ignore_eos": st.booleans(),
     "speculative": st.just("off")
@@ -297,6 +300,7 @@ COMMON_FIELDS = [
     "frequency_penalty",
     "min_p",
     "repetition_penalty",
+    "min_tokens",
     "user",
     "ignore_eos",
     "speculative",
@@ -399,7 +403,12 @@ OTHER_APIS = {
         "anthropic",
         ["messages", "system", "tools", "tool_choice"],
     ),
-    "/tokenize": ({"prompt": "Hello world"}, "openai", ["prompt", "return_token_strs", "model"]),
+    "/tokenize": (
+        {"prompt": "Hello world"},
+        "openai",
+        ["prompt", "messages", "return_token_strs", "model", "add_special_tokens", "add_generation_prompt"]
+        + ["continue_final_message"],
+    ),
     "/detokenize": ({"tokens": [1, 2, 3]}, "openai", ["tokens", "model"]),
 }
 ROLE_TEXT = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": SHORT_TEXT})
@@ -462,6 +471,9 @@ OTHER_PLAUSIBLE = {
     "prompt": SHORT_TEXT,
     "tokens": st.lists(st.integers(0, 400), max_size=6),
     "return_token_strs": st.booleans(),
+    "add_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
 }
 
 
@@ -509,7 +521,9 @@ def assert_anthropic_error(r: httpx.Response, status: int) -> None:
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
-def check_other_answer(path: str, r: httpx.Response) -> None:
+def check_other_answer(path: str, r: httpx.Response) -> bool:
+    """Whether r was served (2xx), after checking it: never a 500, a 4xx in the API's error shape, a stream that
+    ends as the API ends one with no error event, or the API's own body."""
     assert r.status_code < 500, r.text
     anthropic = OTHER_APIS[path][1] == "anthropic"
     if r.status_code >= 400:
@@ -518,11 +532,24 @@ def check_other_answer(path: str, r: httpx.Response) -> None:
         names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
         assert names[-1] == ("message_stop" if anthropic else "response.completed") and "error" not in names, r.text
     else:
-        assert isinstance(r.json(), dict)
+        body = r.json()
+        if path == "/v1/responses":
+            assert body["object"] == "response" and isinstance(body["output"], list), body
+        elif path == "/v1/messages":
+            assert body["type"] == "message" and body["role"] == "assistant", body
+        elif path == "/v1/messages/count_tokens":
+            assert type(body["input_tokens"]) is int and body["input_tokens"] > 0, body
+        elif path == "/tokenize":
+            assert type(body["count"]) is int and len(body["tokens"]) == body["count"], body
+        else:
+            assert isinstance(body["prompt"], str), body
+    return r.status_code < 300
 
 
 @pytest.mark.parametrize("path", list(OTHER_APIS))
 def test_random_json_bodies_on_the_other_apis_never_get_a_500_and_4xx_have_their_apis_shape(server, path):
+    served = []
+
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
     @given(body=other_bodies(path))
     def check(body):
@@ -531,10 +558,12 @@ def test_random_json_bodies_on_the_other_apis_never_get_a_500_and_4xx_have_their
                 body[key] = 8
         if path == "/v1/responses" and body.get("max_output_tokens") is None:
             body["max_output_tokens"] = 4
-        check_other_answer(path, post(server, path, body))
+        served.append(check_other_answer(path, post(server, path, body)))
 
     check()
+    assert sum(served) >= 3, f"{sum(served)} of {len(served)} examples were served: the valid path went untested"
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert check_other_answer(path, post(server, path, OTHER_APIS[path][0]))  # the next plain request is served
 
 
 @pytest.mark.parametrize("path", list(OTHER_APIS))
