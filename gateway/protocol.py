@@ -77,6 +77,8 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's prompt caching routing hint: a load balancer may route on it (deploy/nginx.conf).
     prompt_cache_key: str | None = Field(default=None, max_length=256)
+    # OpenAI's stable end-user id for abuse monitoring (the successor of `user`): accepted, not used, as `user` is
+    safety_identifier: str | None = Field(default=None, max_length=256)
     # [structured] logit_bias (bounds checked by SamplingParams) and vLLM's guided decoding extras
     logit_bias: dict[str, float] | None = None
     guided_json: dict | None = None

@@ -74,6 +74,10 @@ def test_chat_completion_non_streaming(client, in_process_text):
     assert cached % 16 == 0 and 0 <= cached < r.usage.prompt_tokens
     # The content is exactly what the engine generates for the same request in-process.
     assert r.choices[0].message.content == in_process_text
+    # Fields clients send on every request, accepted and not used: the same content.
+    ids = {"user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1"}
+    again = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, **ids)
+    assert again.choices[0].message.content == in_process_text
 
 
 @pytest.fixture(scope="module")
