@@ -26,7 +26,6 @@ UNSUPPORTED = {
     "functions": "function calling (the legacy API; use tools)",
     "function_call": "function calling (the legacy API; use tool_choice)",
     "audio": "audio output",
-    "prediction": "predicted outputs",
     "web_search_options": "web search",
     "reasoning_effort": "reasoning_effort",
     "store": "stored completions",
@@ -55,6 +54,22 @@ class SpeculativeOptions(_Strict):
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
 
 
+class PredictionText(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class PredictedContent(_Strict):
+    """OpenAI's predicted outputs: text the answer is expected to contain (a file to be edited), drafted where the
+    answer follows it; it changes how fast the answer comes, never what it says."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class _SamplingFields(_Strict):
     model: str
     stream: bool = False
@@ -77,6 +92,7 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's prompt caching routing hint: a load balancer may route on it (deploy/nginx.conf).
     prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prediction: PredictedContent | None = None
     # OpenAI's stable end-user id for abuse monitoring (the successor of `user`): accepted, not used, as `user` is
     safety_identifier: str | None = Field(default=None, max_length=256)
     # [structured] logit_bias (bounds checked by SamplingParams) and vLLM's guided decoding extras
@@ -89,7 +105,6 @@ class _SamplingFields(_Strict):
     functions: Any = None
     function_call: Any = None
     audio: Any = None
-    prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
     store: Any = None
@@ -175,6 +190,7 @@ class _SamplingFields(_Strict):
             cache_salt=self.cache_salt,
             structured=self.structured(),  # [structured]
             logit_bias=self.logit_bias,  # [structured]
+            prediction=self.prediction.text() if self.prediction is not None else None,
         )
 
 

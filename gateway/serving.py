@@ -61,11 +61,14 @@ class UsageCount:
         self.choices_per_prompt = choices_per_prompt
         self.prompts: dict[int, Usage] = {}
         self.completion_tokens = 0
+        self.prediction_tokens = [0, 0]  # accepted, rejected (predicted outputs)
 
     def add(self, index: int, usage: Usage | None) -> None:
         if usage is not None:
             self.prompts[index // self.choices_per_prompt] = usage
             self.completion_tokens += usage.completion_tokens
+            self.prediction_tokens[0] += usage.accepted_prediction_tokens
+            self.prediction_tokens[1] += usage.rejected_prediction_tokens
 
     def body(self) -> dict:
         prompt_tokens = sum(u.prompt_tokens for u in self.prompts.values())
@@ -74,6 +77,10 @@ class UsageCount:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in self.prompts.values())},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": self.prediction_tokens[0],
+                "rejected_prediction_tokens": self.prediction_tokens[1],
+            },
         }
 
 

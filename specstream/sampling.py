@@ -127,6 +127,9 @@ class SamplingParams:
     min_p: float = 0.0  # keep the tokens at least this share of the likeliest one's probability; 0 disables it
     repetition_penalty: float = 1.0  # vLLM's: a prompt or output token's logit / it (positive) or * it (negative)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
+    # OpenAI's predicted outputs: text (or token ids) the answer is expected to contain, drafted where the output
+    # follows it (spec_decode/prediction.py); it changes the speed, never the output
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -161,6 +164,7 @@ class SamplingParams:
         _integer(self.min_tokens, "min_tokens", low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must be at most max_tokens", param="min_tokens")
+        _prediction(self.prediction)
         if self.min_tokens and self.structured is not None:
             # a grammar may be complete (and allow only its end) before min_tokens
             raise InvalidRequestError("min_tokens cannot be combined with a structured output", param="min_tokens")
@@ -172,6 +176,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _prediction(value) -> None:
+    """A prediction's type (its size is bounded against the model's context by the input processor)."""
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequestError("prediction must be a string or a list of token ids", param="prediction")
 
 
 def _integer(value, name: str, low: int | None = None, high: int | None = None) -> int:

@@ -44,13 +44,23 @@ class SpecStats:
     forced: int = 0  # [structured] drafted tokens that the grammar forced (counted in drafted too)
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
+    prediction_drafted: int = 0  # drafts taken from the request's prediction (spec_decode/prediction.py)
+    prediction_accepted: int = 0  # of those, the ones accepted
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record(self, num_drafted: int, num_accepted: int, num_forced: int = 0) -> None:
+    @property
+    def prediction_usage(self) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens, as OpenAI's usage counts them."""
+        return self.prediction_accepted, self.prediction_drafted - self.prediction_accepted
+
+    def record(self, num_drafted: int, num_accepted: int, num_forced: int = 0, method: str = "") -> None:
         self.rounds += 1
+        if method == "prediction":  # forced tokens lead a draft ([structured]): the prediction's follow them
+            self.prediction_drafted += num_drafted - num_forced
+            self.prediction_accepted += max(num_accepted - num_forced, 0)
         self.forced += num_forced
         self.drafted += num_drafted
         self.accepted += num_accepted
@@ -96,6 +106,7 @@ class Sequence:
         self.detokenizer = detokenizer
         self.constraint = None  # [structured] structured.Constraint (grammar, logit bias), set by the processor
         self.held_ends: list[int] = []  # tokens that may not be drawn before params.min_tokens (EOS, stop tokens)
+        self.prediction = None  # spec_decode.prediction.Prediction: params.prediction's tokens, set by the processor
         self.acceptance = Acceptance()  # its drafts' history, for the k policy (spec_decode/policy.py)
 
     @property

@@ -88,6 +88,37 @@ def in_process_text(tiny_model_dir):
     return engine.generate([CHAT], SamplingParams(max_tokens=12, temperature=0))[0].text
 
 
+def test_a_prediction_is_drafted_counted_in_usage_and_leaves_the_answer_as_it_was(client):
+    """OpenAI's predicted outputs: the answer itself as the prediction (as text, then as text parts, streamed)
+    is drafted and kept; a wrong one is refused by the model and changes nothing but the usage."""
+    messages = [{"role": "user", "content": "Write a poem"}]  # the tiny model's answer is text that encodes to itself
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    answer = first.choices[0].message.content
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0,
+        prediction={"type": "content", "content": answer},
+    )
+    assert r.choices[0].message.content == answer
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    parts = [{"type": "text", "text": answer[:5]}, {"type": "text", "text": answer[5:]}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, prediction={"type": "content", "content": parts},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    wrong = answer[:3] + "".join(chr(ord(c) + 1) for c in answer[3:])
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, prediction={"type": "content", "content": wrong}
+    )
+    assert r.choices[0].message.content == answer and r.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+
+
 def test_streaming_with_usage_has_one_id_role_first_and_usage_last(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
@@ -312,6 +343,10 @@ def test_malformed_bodies_are_400(server, body, fragment):
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"speculative": {"method": "draft"}}, "speculative.method"),
         ({"cache_salt": ""}, "cache_salt"),
+        ({"prediction": {"type": "text", "content": "x"}}, "prediction"),
+        ({"prediction": {"type": "content", "content": 5}}, "prediction"),
+        ({"prediction": {"type": "content", "content": [{"type": "image_url", "text": "x"}]}}, "prediction"),
+        ({"prediction": {"type": "content", "content": "word " * 3000}}, "prediction"),
     ],
 )
 def test_invalid_requests_are_400_and_never_reach_the_engine(server, extra, param):

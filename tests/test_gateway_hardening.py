@@ -282,6 +282,13 @@ PLAUSIBLE = {
     "echo": st.booleans(),
     "response_format": st.just({"type": "text"}),
     "modalities": st.just(["text"]),
+    "prediction": st.fixed_dictionaries(
+        {
+            "type": st.just("content"),
+            "content": SHORT_TEXT
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": SHORT_TEXT}), max_size=3),
+        }
+    ),
 }
 
 
@@ -304,6 +311,7 @@ COMMON_FIELDS = [
     "user",
     "ignore_eos",
     "speculative",
+    "prediction",
 ]
 ENDPOINT_FIELDS = {
     "/v1/chat/completions": COMMON_FIELDS

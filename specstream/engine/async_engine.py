@@ -326,7 +326,7 @@ class AsyncEngine:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             prompt_ids = chunk.prompt_token_ids or prompt_ids
-            stats.record(chunk.num_drafted, chunk.num_accepted, chunk.num_forced)
+            stats.record(chunk.num_drafted, chunk.num_accepted, chunk.num_forced, chunk.method)
             last = chunk
         return RequestOutput(last.request_id, prompt_ids, "".join(text), ids, last.finish_reason, stats)
 

@@ -39,6 +39,7 @@ from specstream.model.loader import (
 )
 from specstream.model.runner import INVARIANT_TILE, ModelRunner, layer_windows
 from specstream.spec_decode.policy import KPolicy
+from specstream.spec_decode.prediction import prediction_hint
 from specstream.spec_decode.proposer import Proposer, ProposerContext
 from specstream.spec_decode.registry import make_proposer
 from specstream.structured.decoding import StructuredDecoding
@@ -126,9 +127,8 @@ class EngineBuilder:
         # its attention apart); the curve times steps of more rows as several sequences' short runs
         # (calibration.step_items), so such a run is not granted.
         longest = fast_llama.COMPILED_MAX_RUN if runner.fast is not None else None
-        policy = KPolicy(
-            k_max, spec.adaptive, target_cost, proposer.pass_cost, proposer.lookup_cost, proposer.draft_hint, longest
-        )
+        hint = prediction_hint(proposer.draft_hint)  # a request's prediction first (spec_decode/prediction.py)
+        policy = KPolicy(k_max, spec.adaptive, target_cost, proposer.pass_cost, proposer.lookup_cost, hint, longest)
         processor = InputProcessor(
             tokenizer=tokenizer,
             output_tokenizer=tokenizer,

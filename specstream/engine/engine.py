@@ -1,9 +1,8 @@
 """Engine: the synchronous, in-process entry point.
 
-It holds the models, the KV pools, the proposer, the k policy, the scheduler and the input
-processor (built by builder.py). ``step()`` runs one speculative round over every running sequence: schedule,
-propose, one packed target forward, verify, update. ``generate()`` loops steps until its
-requests finish.
+It holds the models, the KV pools, the proposer, the k policy, the scheduler and the input processor (built by
+builder.py). ``step()`` runs one speculative round over every running sequence: schedule, propose, one packed
+target forward, verify, update. ``generate()`` loops steps until its requests finish.
 
 Failures (docs/ARCHITECTURE.md, the fault model): a request with bad parameters never gets here (the input
 processor refuses it); an exception while proposing for or verifying one request fails that
@@ -31,6 +30,7 @@ from specstream.errors import InvalidRequestError
 from specstream.model.runner import ForwardItem
 from specstream.sampling import SamplingParams
 from specstream.spec_decode.policy import StepBase
+from specstream.spec_decode.prediction import propose_with_predictions
 from specstream.spec_decode.proposer import Draft
 from specstream.spec_decode.verify import Round, RoundResult, verify_round
 from specstream.structured.decoding import proposer_share
@@ -53,7 +53,7 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], top: int) -> list[T
 
 
 def _usage(seq: Sequence) -> Usage:
-    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0)
+    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.prefix.hit_tokens or 0, *seq.stats.prediction_usage)
 
 
 class Engine:
@@ -281,7 +281,7 @@ class Engine:
         base = StepBase(plan.base_tokens, float(len(plan.decodes)), plan.base_tokens - len(plan.decodes))
         self.proposer.begin_step(base)
         try:
-            drafts = self.proposer.propose(plan.decodes, plan.ks)
+            drafts = propose_with_predictions(self.proposer, plan.decodes, plan.ks)
         except Exception:  # noqa: BLE001 - find the sequence it belongs to
             return self._propose_one_by_one(plan.decodes, plan.ks, base)
         return plan.decodes, [d.cut(k) for d, k in zip(drafts, plan.ks)], []
@@ -305,7 +305,7 @@ class Engine:
             try:
                 if k:
                     self.proposer.begin_step(base)
-                draft = self.proposer.propose([seq], [k])[0] if k else Draft([])
+                draft = propose_with_predictions(self.proposer, [seq], [k])[0] if k else Draft([])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed.append(self._fail(seq, exc))
                 continue
@@ -418,7 +418,7 @@ class Engine:
         rejected: bool,
         num_forced: int = 0,
     ) -> None:
-        seq.stats.record(num_drafted, num_accepted, num_forced)
+        seq.stats.record(num_drafted, num_accepted, num_forced, method)
         if decoding:  # [structured] the k policy learns from the proposer's own drafts only
             drafted, accepted = proposer_share(num_drafted, num_accepted, num_forced)
             if drafted:

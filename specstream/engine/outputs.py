@@ -12,6 +12,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # OpenAI's predicted outputs (SamplingParams.prediction): its tokens drafted and accepted, drafted and rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -31,6 +31,7 @@ from specstream.detok import IncrementalDetokenizer
 from specstream.errors import InvalidRequestError
 from specstream.sampling import SamplingParams
 from specstream.sequence import Sequence
+from specstream.spec_decode.prediction import Prediction
 from specstream.structured.decoding import StructuredDecoding
 
 # A prompt's characters per token of context before it is refused untokenized. Real text
@@ -112,6 +113,8 @@ class InputProcessor:
         if params.min_tokens:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             seq.held_ends = sorted(t for t in ends if t < self.vocab_size)
+        if params.prediction:
+            seq.prediction = Prediction(self._prediction_ids(params.prediction))
         return seq
 
     def check_params(self, params: SamplingParams) -> None:
@@ -223,6 +226,28 @@ class InputProcessor:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(prompt)
 
+    def _prediction_ids(self, prediction: str | list[int]) -> list[int]:
+        """A prediction's tokens (its text's, without special tokens), bounded as a prompt is: no more than the
+        context holds."""
+        if isinstance(prediction, str):
+            if len(prediction) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    f"the prediction has more than {self.max_prompt_chars} characters, more than this model's "
+                    f"context of {self.max_model_len} tokens can hold",
+                    param="prediction",
+                )
+            ids = self.tokenizer.encode(_valid_text(prediction, "prediction"), add_special_tokens=False)
+        else:
+            ids = prediction
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prediction token ids must be in [0, {self.vocab_size})", param="prediction")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prediction has {len(ids)} tokens; this model's context is {self.max_model_len} tokens",
+                param="prediction",
+            )
+        return list(ids)
+
     def _check_chars(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
             raise InvalidRequestError(
@@ -285,12 +310,12 @@ def _is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def _valid_text(text: str) -> str:
+def _valid_text(text: str, param: str = "prompt") -> str:
     """text, if it can be encoded (a lone surrogate such as "\\ud800" cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(
-            "the prompt holds a lone surrogate, which is not valid Unicode text", param="prompt"
+            f"the {param} holds a lone surrogate, which is not valid Unicode text", param=param
         ) from None
     return text
