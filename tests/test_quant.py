@@ -546,3 +546,22 @@ def test_the_decoder_layers_keep_the_packed_kernels_up_to_the_compiled_steps_row
     assert floors == {s: fast_llama.COMPILED_MAX_ROWS for s in [(96, 64), (64, 64), (256, 64), (64, 128)]}
     monkeypatch.setattr(cpu_kernels, "block_tiles", lambda: False)
     assert builder.packed_floors(runner) == {}
+
+
+def test_4bit_block_kernel_gives_each_row_of_a_16_row_call_the_bits_it_gets_alone():
+    """--deterministic pads every call to whole tiles of 16 rows, and a row's bits must not depend on where in
+    the tile it sits: the kernel's passes over a call's rows sum each row in an order that depends on the pass's
+    row count. In passes of 12 and 4, rows 12-15 of a verification were summed as 4 chains and a decode step's
+    row as 1, and once in a while the two rounded to different bfloat16 (a greedy token then differed with and
+    without drafts). float32 rows show any change of order in their bits (before: rows 12-15 of every tile)."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    packed = quant.PackedQ4(random_int4(256, 1536), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tile in torch.randn(4, 16, 1536, generator=gen).to(dtype):
+            full = packed(tile)
+            for r in range(16):
+                alone = torch.zeros_like(tile)
+                alone[0] = tile[r]
+                assert torch.equal(packed(alone)[0], full[r]), (dtype, r)

@@ -252,13 +252,19 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
         const int64_t rows = std::min(kRows, m_rows - m0);
         const float* xm = x + m0 * k;
         const uint16_t* xbm = xb != nullptr ? xb + m0 * k : nullptr;
+        // A pass's chain count follows its rows, and so does the order in which a row's products are summed. Where
+        // a call has more rows than one pass holds, its last pass takes one chain a row, as every full pass does:
+        // otherwise the rows of a 16-row call that fell in its last 4 were summed in 4 chains, a decode step's row
+        // (padded to 16 rows in --deterministic) in 1, and now and then the two rounded apart. A call of a few
+        // rows (a verification, a decode step outside --deterministic) keeps its chains.
+        const bool few = m_rows <= kRows;
         switch (rows) {
-          case 1: tile<1, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 2: tile<2, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 3: tile<3, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 4: tile<4, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 5: tile<5, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 6: tile<6, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 1: few ? tile<1, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<1, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 2: few ? tile<2, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<2, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 3: few ? tile<3, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<3, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 4: few ? tile<4, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<4, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 5: few ? tile<5, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<5, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 6: few ? tile<6, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<6, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
           case 7: tile<7, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
           case 8: tile<8, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
           case 9: tile<9, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
