@@ -3,13 +3,18 @@ plain (`off`), with the default speculation (`auto`) and with `auto` given the u
 by side in one process, one stream, ABBA order over --passes passes.
 
 The tasks are functions of Python's standard library (code this project did not write), at most --max-lines lines
-each, in a fixed order: the model is asked to rename one of the function's parameters and to answer with the whole
-function, the prediction being the function as it was (OpenAI's documented use: the file being edited). The answer
-is the model's own whatever the prediction; the script counts the answers that equal `auto`'s without it (greedy:
-all, unless a near-tie flipped in bf16).
+each, in a fixed order, the prediction being the function as the library has it:
+- `--task rename` (the default): the prompt holds the function and asks to rename one of its parameters and to
+  answer with the whole function (OpenAI's documented use: the file being edited is the prediction). The prompt
+  holds what the prediction holds, so n-gram drafts from the prompt find much of it too.
+- `--task recall`: the prompt gives only the function's signature and the first line of its docstring and asks
+  for the function. The prediction is not in the prompt, and the model's answer follows it only here and there:
+  this checks that a prediction the answer does not follow costs nothing.
+The answer is the model's own whatever the prediction; the script counts the answers that equal `auto`'s without
+it (greedy: all, unless a near-tie flipped in bf16; with --deterministic, all: the runs then time the same answers).
 
-    python benchmarks/predicted_outputs.py                       # 12 functions, greedy, 2 passes
-    python benchmarks/predicted_outputs.py --temperature 0.7 --tasks 8
+    python benchmarks/predicted_outputs.py                       # 12 functions, rename, greedy, 2 passes
+    python benchmarks/predicted_outputs.py --task recall --temperature 0.7 --tasks 8
 """
 
 from __future__ import annotations
@@ -60,7 +65,15 @@ def tasks(count: int, max_lines: int) -> list[tuple[str, str, str]]:
     return picked
 
 
-def prompt(source: str, param: str) -> list[dict]:
+def prompt(task: str, source: str, param: str) -> list[dict]:
+    if task == "recall":
+        lines = source.splitlines()
+        head = lines[:2]  # the signature and (usually) the docstring's first line
+        return [{
+            "role": "user",
+            "content": "Write this Python function of the standard library, whole, in a code block and nothing "
+                       "else:\n\n```python\n" + "\n".join(head) + "\n```",
+        }]
     return [{
         "role": "user",
         "content": f"Rename the parameter `{param}` to `{param}_in` everywhere in this Python function. Answer with "
@@ -70,18 +83,20 @@ def prompt(source: str, param: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=["rename", "recall"], default="rename")
     ap.add_argument("--tasks", type=int, default=12)
     ap.add_argument("--max-lines", type=int, default=30)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="the same tokens whatever the drafts (bf16 too)")
     args = ap.parse_args()
     work = tasks(args.tasks, args.max_lines)
     engines = {}
     for method in ("off", "auto"):
         config = EngineConfig(compile=not args.no_compile, compile_in_background=False,
-                              speculative=SpeculativeConfig(method=method))
+                              deterministic=args.deterministic, speculative=SpeculativeConfig(method=method))
         engines[method] = Engine(config, log=False)
     runs = [("off", False), ("auto", False), ("auto", True)]
     names = {("off", False): "off", ("auto", False): "auto", ("auto", True): "auto + prediction"}
@@ -92,7 +107,7 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed,
                                 prediction=f"```python\n{source}\n```" if predicted else None)
         start = time.perf_counter()
-        out = engines[method].generate([prompt(source, param)], params)[0]
+        out = engines[method].generate([prompt(args.task, source, param)], params)[0]
         return out, time.perf_counter() - start
 
     for key in runs:  # warm-up: one task each
@@ -116,8 +131,9 @@ def main() -> None:
             usage[0] += accepted
             usage[1] += rejected
             same += outs["auto", True].token_ids == outs["auto", False].token_ids
-    print(f"\nPredicted outputs: {len(work)} standard-library functions (at most {args.max_lines} lines), rename a "
-          f"parameter, T={args.temperature}, one stream, {args.passes} passes ABBA\n")
+    print(f"\nPredicted outputs: {len(work)} standard-library functions (at most {args.max_lines} lines), task "
+          f"{args.task}, T={args.temperature}, one stream, {args.passes} passes ABBA"
+          f"{', deterministic' if args.deterministic else ''}\n")
     print("| run | tok/s (per pass) | / off | per-task ratio to off (median, min-max) |")
     print("|---|---|---|---|")
     base = [t / s for t, s in zip(tokens["off", False], seconds["off", False])]

@@ -4,7 +4,7 @@ output follows it, found again after an edit, counted in usage, and never change
 import pytest
 
 from specstream import Engine, EngineConfig, InvalidRequestError, SamplingParams, SpeculativeConfig
-from specstream.spec_decode.prediction import ALIGN, NEAR, Prediction
+from specstream.spec_decode.prediction import ALIGN, FLOOR, NEAR, PRIOR, Prediction
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add("
 
@@ -41,14 +41,50 @@ def test_the_place_moves_with_the_output_is_lost_at_an_edit_and_found_again():
     p = Prediction([10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
     assert p.draft(3) == [10, 11, 12]
     p.follow([10, 11, 99])  # two drafts kept, the third replaced
-    assert p.record.accepted == 2 and p.record.rejected == 1
     assert p.position is None and p.draft(4) == []  # 99 is nowhere in the prediction
-    p.follow([10, 11, 99, 13])  # the output goes on as the prediction did, just after where it left it
-    assert p.position == 4 and p.draft(2) == [14, 15]
-    p.follow([10, 11, 99, 13, 14, 15, 16])  # both kept and the round's own token followed too
-    assert p.record.accepted == 4 and p.record.rejected == 1 and p.position == 7
+    p.follow([10, 11, 99, 13])
+    assert p.position is None  # one token is not enough to find the place
+    p.follow([10, 11, 99, 13, 14])  # the output goes on as the prediction did, just after where it left it
+    assert p.position == 5 and p.draft(2) == [15, 16]
+    assert p.edits == {11: [((12,), (99,))]}  # 12 became 99 after 11
+    p.follow([10, 11, 99, 13, 14, 15, 16, 17])  # both kept and the round's own token followed too
+    assert p.position == 8
     p.follow([10, 11, 99, 13, 14, 15, 16, 17, 18, 19])
     assert p.available() == 0 and p.draft(4) == []  # spent
+
+
+def test_the_agreement_follows_the_last_tokens_and_below_the_floor_the_prediction_drafts_nothing():
+    p = Prediction(list(range(100, 160)))
+    assert p.acceptance() == PRIOR and p.usable()
+    p.follow(list(range(100, 120)))
+    assert p.acceptance() > 0.95
+    output = list(range(100, 120)) + [7, 8, 9, 7, 8, 9, 7, 8]  # the output goes its own way
+    p.follow(output)
+    assert p.position is None and p.acceptance() < FLOOR and not p.usable()
+    output += list(range(122, 124))  # back on the prediction, two tokens on: found, but not trusted yet
+    p.follow(output)
+    assert p.position == 124 - 100 and not p.usable() and p.draft(0) == []
+    output += list(range(124, 132))
+    p.follow(output)
+    assert p.usable()  # followed again lately
+
+
+def test_an_edit_the_output_made_is_replayed_where_the_same_token_comes_again_and_forgotten_when_refused():
+    # a rename: the output puts 77 after each 50 (say "text" becoming "text_in")
+    p = Prediction([1, 50, 2, 3, 50, 4, 5, 50, 6, 7, 8])
+    p.follow([1, 50, 77, 2])
+    assert p.position is None
+    p.follow([1, 50, 77, 2, 3])  # back on the prediction: the edit (nothing removed, 77 inserted after 50) is learned
+    assert p.position == 4 and p.edits == {50: [((), (77,))]}
+    assert p.draft(8) == [50, 77, 4, 5, 50, 77, 6, 7]
+    p.follow([1, 50, 77, 2, 3, 50, 77, 4, 5, 50, 77, 6, 7, 8])  # all kept, and the round's own token
+    assert p.position == 11 and p.available() == 0
+    # refused: the output keeps the prediction's token after 50 this time
+    q = Prediction([1, 50, 2, 3, 50, 4, 5])
+    q.follow([1, 50, 77, 2, 3])
+    assert q.draft(4) == [50, 77, 4, 5]
+    q.follow([1, 50, 77, 2, 3, 50, 4])  # 77 refused: 4 came instead, as the prediction had it
+    assert q.edits == {50: []} and q.position == 6 and q.draft(2) == [5]
 
 
 def test_far_from_where_the_output_left_it_the_place_needs_align_tokens():
@@ -68,7 +104,7 @@ def test_a_lost_place_is_found_after_where_the_output_left_the_prediction():
     p = Prediction([1, 2, 3, 50, 51, 1, 2, 3, 60, 61])
     p.follow([1, 2, 3, 50, 51])
     assert p.left == 5
-    p.follow([1, 2, 3, 50, 51, 7, 1, 2, 3])  # (as near: its last 2 tokens first occur after the output left it)
+    p.follow([1, 2, 3, 50, 51, 7, 1, 2, 3])  # (near: its last 2 tokens first occur after where the output left it)
     assert p.position == 8 and p.draft(2) == [60, 61]
     # with no occurrence at or after it, the latest one before
     q = Prediction([1, 2, 3] + list(range(200, 200 + NEAR)))

@@ -10,16 +10,24 @@ Alignment. Prediction.position is where the prediction goes on once the output s
 before any output, then moved on by each output token equal to the prediction's next one. A token that differs
 loses the place. Most edits replace, insert or delete a few tokens, and the output then goes on as the
 prediction did a little after where it left it: so the place is first looked for within NEAR tokens after that
-point, as the first occurrence there of the output's last 2 tokens, or of its last one. Failing that, it is
-found where the output's last ALIGN tokens occur anywhere in the prediction: the first occurrence at or after
-where the output left it (an edit keeps the prediction's order), else the latest one before. While the place is
-lost, or the prediction is spent, the sequence drafts as the server's method has it.
+point, as the first occurrence there of the output's last 2 tokens. Failing that, it is found where the
+output's last ALIGN tokens occur anywhere in the prediction: the first occurrence at or after where the output
+left it (an edit keeps the prediction's order), else the latest one before.
 
-Pricing. The k policy grants a sequence its drafts (policy.KPolicy) from the acceptance it expects of them; for
-a sequence whose prediction has a place, that is the prediction's own record (draft_hint): a prior (PRIOR,
-with PRIOR_WEIGHT rounds' weight: a prediction is usually a near copy) corrected by its rounds so far, each a
-geometric observation as the k policy's are (its drafts kept, then one rejection unless all were). The drafts
-are the prediction's tokens from its place, up to the k granted. Like every draft they need speculation on:
+Edits. Where the place is found again near where it was lost, what the output put instead of the prediction's
+tokens between is an edit, kept by the prediction's token before it (at most MAX_EDITS, each of at most
+MAX_EDIT tokens). A draft replays it wherever the same tokens follow the same token again: a renamed
+parameter is drafted renamed at its next use. An edit whose replay the output refuses is forgotten.
+
+Pricing. The agreement is the chance that the output's next token follows the prediction: a prior (PRIOR, with
+PRIOR_WEIGHT tokens' weight) corrected by the output's tokens, each counted as following the prediction or not
+(a token while the place is lost counts as not), decayed by DECAY a token, so that it is what the last ten
+tokens or so did. The k policy (policy.KPolicy) grants the sequence its drafts at that acceptance (draft_hint),
+and the drafts are the prediction's tokens from its place, edits replayed, up to the k granted. Below FLOOR,
+or while the place is lost or the prediction spent, the prediction drafts nothing and the server's method
+drafts as it would without one: a model that rewrites rather than edits goes its own way, and then each round
+of a prediction's drafts would be verified rows thrown away. The tokens that follow keep counting, so the
+prediction drafts again once the output follows it again. Like every draft, a prediction's need speculation on:
 with the method "off", or a request's num_speculative_tokens of 0, a prediction is accepted and not used.
 """
 
@@ -31,75 +39,153 @@ from specstream.sequence import Acceptance, Sequence
 from specstream.spec_decode.proposer import Draft, Proposer
 
 ALIGN = 3  # output tokens that must occur anywhere in the prediction to find its place again
-NEAR = 16  # prediction tokens after where the output left it in which 1 or 2 of its tokens find the place again
-PRIOR = 0.9  # a prediction's expected acceptance before its first round
+NEAR = 16  # prediction tokens after where the output left it in which its last 2 tokens find the place again
+MAX_EDIT = 8  # the most tokens (removed and inserted) of an edit learned from the output
+MAX_EDITS = 32  # edits kept per prediction
+PRIOR = 0.9  # the chance that the output's next token follows the prediction, before any output
 PRIOR_WEIGHT = 2.0
+DECAY = 0.9  # per output token: the agreement is the last ten tokens' or so
+FLOOR = 0.5  # below this agreement the prediction drafts nothing: the server's method drafts instead
 METHOD = "prediction"  # Draft.method of a prediction's drafts (metrics, the per-chunk stats)
+
+Edit = tuple[tuple[int, ...], tuple[int, ...]]  # (the prediction's tokens removed, the tokens the output put instead)
 
 
 class Prediction:
-    """One sequence's prediction: its tokens, its place against the output so far, its rounds' record."""
+    """One sequence's prediction: its tokens, its place against the output so far, the edits the output made to
+    it, its rounds' record."""
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
         self.position: int | None = 0  # the prediction's next token, where the output follows it; None: lost
         self.left = 0  # where the output last followed it (the search for a lost place starts here)
         self.seen = 0  # output tokens followed so far
-        self.drafted: tuple[int, int] | None = None  # the last draft not yet followed: (its start, its length)
-        self.record = Acceptance()  # its rounds (undecayed)
+        self.lost: tuple[int, int] | None = None  # where the place was lost: (in the prediction, in the output)
+        self.edits: dict[int, list[Edit]] = {}  # by the prediction's token before each edit
+        # the last draft, not yet followed: its tokens, the place after each (None inside an edit), their edit
+        self.pending: tuple[list[int], list[int | None], list[Edit | None]] | None = None
+        self.agreement = Acceptance()  # output tokens that followed the prediction, and those that did not (decayed)
         self._ends: dict[tuple[int, ...], list[int]] | None = None  # ALIGN-token windows -> where each ends
 
     def follow(self, output: list[int]) -> None:
-        """Take the output tokens appended since the last call: move the place on, lose it, or find it again;
-        the last draft's round goes into the record."""
-        new = output[self.seen :]
+        """Take the output tokens appended since the last call: move the place on (through the last draft, edits
+        included), lose it, or find it again (learning the edit between); the last draft's round goes into the
+        record, and an edit the output refused is forgotten."""
+        begin = self.seen
         self.seen = len(output)
-        if self.drafted is not None:
-            start, length = self.drafted
+        if self.pending is not None:
+            tokens, after, edits = self.pending
+            self.pending = None
+            new = output[begin:]
             kept = 0
-            while kept < min(length, len(new)) and self.tokens[start + kept] == new[kept]:
+            while kept < min(len(tokens), len(new)) and tokens[kept] == new[kept]:
                 kept += 1
-            self.record.record(length, kept, 1.0)
-            self.drafted = None
-        for tok in new:
+                self._agree(True)
+            if kept < min(len(tokens), len(new)) and edits[kept] is not None:
+                self._forget(edits[kept])
+            if kept:
+                self.position = after[kept - 1]
+                self.left, self.lost = (self.position, None) if self.position is not None else (self.left, None)
+                begin += kept
+        for at in range(begin, len(output)):
+            tok = output[at]
             if self.position is not None and self.position < len(self.tokens) and self.tokens[self.position] == tok:
                 self.position += 1
                 self.left = self.position
-            else:
+                self._agree(True)
+                continue
+            if self.position is not None:
+                self.lost = (self.position, at) if self.position < len(self.tokens) else None
                 self.position = None
-        if self.position is None and new:
-            self.position = self._near(output)
-        if self.position is None and len(output) >= ALIGN:
-            self.position = self._find(tuple(output[-ALIGN:]))
+            self._agree(False)
+        if self.position is None and len(output) > begin:
+            self._find_again(output)
 
     def draft(self, k: int) -> list[int]:
-        """Up to k of the prediction's tokens from its place (none where the place is lost or spent)."""
+        """Up to k tokens from the place: the prediction's, with the edits the output made to it before replayed
+        where the same tokens follow the same token (a renamed name, each time it comes); none where the place is
+        lost or the prediction spent."""
         if self.position is None or k <= 0:
             return []
-        tokens = self.tokens[self.position : self.position + k]
+        tokens: list[int] = []
+        after: list[int | None] = []
+        edits: list[Edit | None] = []
+        i, replayed = self.position, False
+        while len(tokens) < k and i < len(self.tokens):
+            edit = None if replayed or i == 0 else self._edit_at(i)
+            replayed = edit is not None  # not twice at one place (an insertion's token before stays the same)
+            if edit is not None:
+                removed, inserted = edit
+                for j, tok in enumerate(inserted):
+                    tokens.append(tok)
+                    after.append(i + len(removed) if j == len(inserted) - 1 else None)
+                    edits.append(edit)
+                i += len(removed)
+                continue
+            tokens.append(self.tokens[i])
+            after.append(i + 1)
+            edits.append(None)
+            i += 1
         if tokens:
-            self.drafted = (self.position, len(tokens))
-        return tokens
+            self.pending = (tokens[:k], after[:k], edits[:k])
+        return tokens[:k]
 
     def available(self) -> int:
-        """How many tokens a draft could take now."""
+        """How many of the prediction's tokens are left after the place."""
         return 0 if self.position is None else len(self.tokens) - self.position
 
     def acceptance(self) -> float:
-        return self.record.estimate(PRIOR, PRIOR_WEIGHT)
+        """The chance that the output's next token follows the prediction, as the last tokens did."""
+        return self.agreement.estimate(PRIOR, PRIOR_WEIGHT)
 
-    def _near(self, output: list[int]) -> int | None:
-        """The place just past the first occurrence of the output's last 2 tokens (else its last one) within NEAR
-        tokens after where the output left the prediction."""
+    def usable(self) -> bool:
+        """Whether the prediction drafts this round: it has a place, tokens after it, and the output has followed it
+        lately (FLOOR). An output gone its own way (a rewrite rather than an edit) drafts as it would without one."""
+        return self.available() > 0 and self.acceptance() >= FLOOR
+
+    def _agree(self, followed: bool) -> None:
+        self.agreement.record(1, int(followed), DECAY)
+
+    def _find_again(self, output: list[int]) -> None:
+        """The place after a loss: near where the output left the prediction (the edit between learned), else by
+        ALIGN tokens anywhere."""
         near = self.tokens[self.left : self.left + NEAR]
-        for n in (2, 1):
-            if len(output) < n:
-                continue
-            tail = output[-n:]
-            for i in range(len(near) - n + 1):
-                if near[i : i + n] == tail:
-                    return self.left + i + n
+        tail = output[-2:]
+        for i in range(len(near) - 1):
+            if len(tail) == 2 and near[i : i + 2] == tail:
+                self.position = self.left + i + 2
+                self._learn(output, self.position - 2, len(output) - 2)
+                return
+        if len(output) >= ALIGN:
+            self.position = self._find(tuple(output[-ALIGN:]))
+        if self.position is not None:
+            self.lost = None
+
+    def _learn(self, output: list[int], resumed: int, upto: int) -> None:
+        """The output left the prediction at self.lost and rejoined it at `resumed`, having put output[..upto] in
+        between: an edit, kept (by the prediction's token before it) where it is short and forward."""
+        if self.lost is None:
+            return
+        (start, since), self.lost = self.lost, None
+        removed, inserted = tuple(self.tokens[start:resumed]), tuple(output[since:upto])
+        if start == 0 or resumed < start or not 0 < len(removed) + len(inserted) <= MAX_EDIT:
+            return
+        if sum(len(v) for v in self.edits.values()) >= MAX_EDITS:
+            return
+        known = self.edits.setdefault(self.tokens[start - 1], [])
+        if (removed, inserted) not in known:
+            known.append((removed, inserted))
+
+    def _edit_at(self, i: int) -> Edit | None:
+        for removed, inserted in self.edits.get(self.tokens[i - 1], ()):
+            if tuple(self.tokens[i : i + len(removed)]) == removed:
+                return removed, inserted
         return None
+
+    def _forget(self, edit: Edit) -> None:
+        for known in self.edits.values():
+            if edit in known:
+                known.remove(edit)
 
     def _find(self, window: tuple[int, ...]) -> int | None:
         if self._ends is None:  # built once, at the first lost place: a prediction followed throughout needs none
@@ -123,7 +209,7 @@ def prediction_hint(
         prediction = seq.prediction
         if prediction is not None:
             prediction.follow(seq.output_ids)
-            if prediction.available():
+            if prediction.usable():
                 return prediction.acceptance(), prediction.available()
         return inner(seq)
 
@@ -137,7 +223,7 @@ def propose_with_predictions(proposer: Proposer, seqs: list[Sequence], ks: list[
     for i, (seq, k) in enumerate(zip(seqs, ks)):
         if seq.prediction is not None and k > 0:
             seq.prediction.follow(seq.output_ids)
-            tokens = seq.prediction.draft(k)
+            tokens = seq.prediction.draft(k) if seq.prediction.usable() else []
             if tokens:
                 drafts[i] = Draft(tokens, method=METHOD)
     rest = [i for i, d in enumerate(drafts) if d is None]
