@@ -386,3 +386,20 @@ def test_chat_repl_keeps_the_conversation_and_prints_stats(live):
         assert run_chat(c, max_tokens=8, temperature=0, read=lambda prompt: next(inputs), out=out) == 0
     text = out.getvalue()
     assert "chatting with tiny" in text and text.count("tok/s") == 2 and "(conversation cleared)" in text
+
+
+def test_usage_reads_the_prediction_and_cache_details():
+    from specstream_client.types import Usage
+
+    usage = Usage.parse(
+        {
+            "prompt_tokens": 9,
+            "completion_tokens": 20,
+            "total_tokens": 29,
+            "prompt_tokens_details": {"cached_tokens": 4},
+            "completion_tokens_details": {"accepted_prediction_tokens": 12, "rejected_prediction_tokens": 3},
+        }
+    )
+    assert (usage.cached_tokens, usage.accepted_prediction_tokens, usage.rejected_prediction_tokens) == (4, 12, 3)
+    plain = Usage.parse({"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3})
+    assert (plain.cached_tokens, plain.accepted_prediction_tokens, plain.rejected_prediction_tokens) == (0, 0, 0)

@@ -18,6 +18,10 @@ class Usage:
     completion_tokens: int = 0
     total_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the server's prefix cache (usage.prompt_tokens_details)
+    # a request's `prediction` (OpenAI's predicted outputs): its tokens accepted and rejected as drafts
+    # (usage.completion_tokens_details)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @classmethod
     def parse(cls, data: dict | None) -> Usage | None:
@@ -25,8 +29,16 @@ class Usage:
             return None
         details = data.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        known = {k: v for k, v in _known(cls, data)[0].items() if k != "cached_tokens"}
-        return cls(**known, cached_tokens=cached or 0)
+        completion = data.get("completion_tokens_details")
+        completion = completion if isinstance(completion, dict) else {}
+        nested = ("cached_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
+        known = {k: v for k, v in _known(cls, data)[0].items() if k not in nested}
+        return cls(
+            **known,
+            cached_tokens=cached or 0,
+            accepted_prediction_tokens=completion.get("accepted_prediction_tokens") or 0,
+            rejected_prediction_tokens=completion.get("rejected_prediction_tokens") or 0,
+        )
 
 
 @dataclass

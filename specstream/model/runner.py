@@ -39,8 +39,8 @@ from specstream.cache import cache_dir, point_inductor_here
 log = logging.getLogger("specstream.model.runner")
 
 
-# Rows per tile in invariant mode: one tile holds a verification step (k + 1 <= 16 by
-# default) so speculation costs no second tile; see the README for the measured price.
+# Rows per tile in invariant mode: one tile holds a verification step (the adaptive policy's runs are at most
+# fast_llama.COMPILED_MAX_RUN = 16 rows) so speculation costs no second tile; see the README for the measured price.
 INVARIANT_TILE = 16
 _KEY_BLOCK = 64
 
