@@ -129,6 +129,8 @@ def test_a_prediction_equal_to_the_answer_is_drafted_and_kept(tiny_model_dir, pl
     assert out.stats.prediction_drafted > 0
     assert out.stats.prediction_accepted == out.stats.prediction_drafted
     assert out.stats.rounds <= len(plain_ids) // 8 + 1  # k=8 drafts a round, all kept
+    rounds = e.metrics.registry.get_sample_value("specstream_spec_decode_rounds_total", {"method": "prediction"})
+    assert rounds and rounds >= out.stats.rounds - 1  # /metrics names the method (the prompt's round drafts nothing)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

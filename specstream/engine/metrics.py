@@ -51,7 +51,7 @@ class EngineMetrics:
         self.num_accepted_tokens = Counter("specstream_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.num_accepted_tokens_per_pos = Counter(
             "specstream_spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by draft position and proposer (suffix, ngram, eagle, draft).",
+            "Draft tokens accepted, by draft position and proposer (suffix, ngram, eagle, draft, prediction).",
             ["position", "method"],
             registry=r,
         )
@@ -63,7 +63,8 @@ class EngineMetrics:
         )
         self.rounds_by_method = Counter(
             "specstream_spec_decode_rounds",
-            "Decoding rounds, by the proposer that drafted them (suffix, ngram, eagle, draft; none: plain decoding).",
+            "Decoding rounds, by the proposer that drafted them (suffix, ngram, eagle, draft, prediction: a request's predicted "
+            "output; none: plain decoding).",
             ["method"],
             registry=r,
         )

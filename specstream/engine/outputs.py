@@ -50,7 +50,7 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     num_forced: int = 0  # [structured] of num_drafted, the tokens a grammar forced
     stop_string: str | None = None  # on the last chunk: the stop string that ended the request, if one did
-    method: str = ""  # the proposer that drafted this round ("suffix", "ngram", "head", ...; "" when none did)
+    method: str = ""  # what drafted this round ("suffix", "ngram", "head", "prediction", ...; "" when none did)
 
     @property
     def finished(self) -> bool:
