@@ -117,6 +117,14 @@ def test_a_prediction_is_drafted_counted_in_usage_and_leaves_the_answer_as_it_wa
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    # the legacy completions take it too (through extra_body: the openai client has no argument for it there)
+    comp = client.completions.create(model=MODEL, prompt="Write a poem", max_tokens=8, temperature=0)
+    again = client.completions.create(
+        model=MODEL, prompt="Write a poem", max_tokens=8, temperature=0,
+        extra_body={"prediction": {"type": "content", "content": comp.choices[0].text}},
+    )
+    assert again.choices[0].text == comp.choices[0].text
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0, again.usage
 
 
 def test_streaming_with_usage_has_one_id_role_first_and_usage_last(client):
