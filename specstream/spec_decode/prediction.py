@@ -53,7 +53,7 @@ Edit = tuple[tuple[int, ...], tuple[int, ...]]  # (the prediction's tokens remov
 
 class Prediction:
     """One sequence's prediction: its tokens, its place against the output so far, the edits the output made to
-    it, its rounds' record."""
+    it, how well the output has followed it lately."""
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
@@ -69,8 +69,8 @@ class Prediction:
 
     def follow(self, output: list[int]) -> None:
         """Take the output tokens appended since the last call: move the place on (through the last draft, edits
-        included), lose it, or find it again (learning the edit between); the last draft's round goes into the
-        record, and an edit the output refused is forgotten."""
+        included), lose it, or find it again (learning the edit between); each token goes into the agreement, and
+        an edit the output refused is forgotten."""
         begin = self.seen
         self.seen = len(output)
         if self.pending is not None:
