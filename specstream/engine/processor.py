@@ -230,12 +230,7 @@ class InputProcessor:
         """A prediction's tokens (its text's, without special tokens), bounded as a prompt is: no more than the
         context holds."""
         if isinstance(prediction, str):
-            if len(prediction) > self.max_prompt_chars:
-                raise InvalidRequestError(
-                    f"the prediction has more than {self.max_prompt_chars} characters, more than this model's "
-                    f"context of {self.max_model_len} tokens can hold",
-                    param="prediction",
-                )
+            self._check_chars(len(prediction), "prediction")
             ids = self.tokenizer.encode(_valid_text(prediction, "prediction"), add_special_tokens=False)
         else:
             ids = prediction
@@ -248,12 +243,12 @@ class InputProcessor:
             )
         return list(ids)
 
-    def _check_chars(self, chars: int) -> None:
+    def _check_chars(self, chars: int, param: str = "prompt") -> None:
         if chars > self.max_prompt_chars:
             raise InvalidRequestError(
-                f"the prompt has more than {self.max_prompt_chars} characters, more than this model's context of "
+                f"the {param} has more than {self.max_prompt_chars} characters, more than this model's context of "
                 f"{self.max_model_len} tokens can hold",
-                param="prompt",
+                param=param,
                 code="context_length_exceeded",
             )
 
