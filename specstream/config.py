@@ -100,8 +100,10 @@ class EngineConfig:
     "int8" quantize every projection (lossy where the source is not 4-bit).
     deterministic: batch- and speculation-invariant numerics (model/runner.py): a token's logits are
     bit-identical whatever else its step computed, so greedy output, and seeded sampling, give
-    the same tokens with or without drafts and alone or in any batch, in bf16 too. Costs the
-    padding of every step to fixed tiles; needs the lean Llama forward.
+    the same tokens with or without drafts and alone or in any batch, in bf16 too. Where a kernel's
+    rounding follows the step's shape (dense weights, torch's attention) it costs the padding of every
+    step to fixed tiles; over specstream's block kernels (a GGUF file's weights on CPU) little or
+    none. Drafts are verified as chains, not trees. Needs the lean Llama forward.
     compile: torch.compile the lean forward's decode and verification steps (model/fast_llama.py), traced at
     start-up and cached on disk by inductor. On by default; the environment variable
     SPECSTREAM_COMPILE=0 turns the default off (the test suite does, to start engines fast). Ignored

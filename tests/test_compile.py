@@ -277,7 +277,7 @@ def test_compile_defaults_and_invariant_mode(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_COMPILE", "0")
     assert EngineConfig().compile is False
     assert build_parser().parse_args(["serve"]).compile is False
-    # Invariant mode tiles every step: it stays eager.
+    # Invariant mode over dense weights tiles every step: it stays eager.
     engine = make_engine(tiny_model_dir, compile=True, method="off", deterministic=True)
     assert engine.runner.fast.steps is None
 

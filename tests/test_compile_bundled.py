@@ -126,23 +126,36 @@ def _logits_of(e: Engine, schedule: list[int], beside: str = "", prompt_chunks: 
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
-def test_a8_rows_are_bit_identical_in_any_step_in_bf16(compile):
-    """Under a8 in bf16, a token's logits are the same bits whether it was decoded
+@pytest.mark.parametrize("mode", ["a8", "deterministic"])
+def test_rows_are_bit_identical_in_any_step_in_bf16(mode, compile):
+    """Under a8, and under --deterministic over the weight-only kernels (rows alone, untiled), in bf16, a token's
+    logits are the same bits whether it was decoded
     alone, verified among 9 or 16 rows, prefilled in a chunk of 20 or 17, in steps beside other sequences'
     verifications or beside a prefill chunk (eager steps of up to 118 rows), after a prompt prefilled whole or in
     two chunks (as after a prefix-cache hit); compiled and eager alike, and the compiled steps equal the eager
-    ones. So greedy output cannot depend on the drafts, the batch or the prefix cache (prompts of up to
-    attention.KERNEL_MAX_KEYS tokens: longer prefill chunks attend through SDPA)."""
+    ones. So greedy output cannot depend on the drafts, the batch or the prefix cache (under a8, prompts of up to
+    attention.KERNEL_MAX_KEYS tokens where the attention kernel does not pair bfloat16: longer prefill chunks
+    attend through SDPA)."""
+    from specstream.kernels import cpu as cpu_kernels
     from specstream.kernels import quant
 
-    if not quant.a8_serves(torch.device("cpu")):
-        pytest.skip("a8 does not serve on this CPU (no AVX512-VNNI, AMX-INT8 or AVX-VNNI)")
     spec = SpeculativeConfig(method="off")
-    config = EngineConfig(dtype="bfloat16", quantization="a8", compile=compile, compile_in_background=False, speculative=spec)
+    if mode == "a8":
+        if not quant.a8_serves(torch.device("cpu")):
+            pytest.skip("a8 does not serve on this CPU (no AVX512-VNNI, AMX-INT8 or AVX-VNNI)")
+        config = EngineConfig(dtype="bfloat16", quantization="a8", compile=compile, compile_in_background=False, speculative=spec)
+    else:
+        if compile and not cpu_kernels.attention_pairs(torch.bfloat16, 64):
+            pytest.skip("invariant mode compiles only where attention drops its tiles: the attention kernel's bfloat16 "
+                        "pairs need AVX512-BF16 without AMX (a CPU feature this one lacks)")
+        config = EngineConfig(dtype="bfloat16", deterministic=True, compile=compile, compile_in_background=False, speculative=spec)
     e = Engine(config, log=False)
     fast = e.runner.fast
-    assert {lin.packed.kernel[0] for lin in (fast.lm_head, *[layer[5] for layer in fast.layers])} == {"a8"}
-    assert fast.stream_dtype == torch.float32 and e.pool.keys[0].dtype == torch.bfloat16  # a8's wide residual stream
+    if mode == "a8":
+        assert {lin.packed.kernel[0] for lin in (fast.lm_head, *[layer[5] for layer in fast.layers])} == {"a8"}
+        assert fast.stream_dtype == torch.float32 and e.pool.keys[0].dtype == torch.bfloat16  # a8's wide residual stream
+    else:
+        assert fast.tile == 0 and all(lin.packed.kernel[-1] == quant.ROWS_ALONE for lin in (fast.lm_head, *fast.layer_projections()))
     if compile:
         assert e.runner.fast.compiled_rows >= 16, e.forward_description
     alone = _logits_of(e, [1] * 20)

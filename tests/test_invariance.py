@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import build_tiny_model
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from specstream.kernels import cpu as cpu_kernels
+from specstream.kernels.quant import ROWS_ALONE
 from specstream.model.attention import ATTN_IMPLEMENTATION, model_geometry
 from specstream.model.fast_llama import FastLlama
 from specstream.memory.kv import KVPool
@@ -57,6 +60,26 @@ def alone_schedule(prompt, total):
     return [[(0, prompt)]] + [[(0, 1)] for _ in range(total - prompt)]
 
 
+def check_logits_do_not_depend_on_the_step(runner):
+    """A token's logits alone, verified (the prompt, then runs of k + 1 tokens as a speculative round feeds them),
+    in one prefill chunk over all 40 tokens (more than one tile), and beside other sequences (b's long prefill and
+    c's decoding share a's steps): the same bits, the prompt's rows (prefilled in 20 vs 40 vs 7 + 13) included."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(3, 300, (40,), generator=g).tolist()
+    b = torch.randint(3, 300, (70,), generator=g).tolist()
+    c = torch.randint(3, 300, (25,), generator=g).tolist()
+    alone = run_schedule(runner, [a], alone_schedule(20, 40))[0]
+    verified = run_schedule(runner, [a], [[(0, 20)], [(0, 5)], [(0, 9)], [(0, 1)], [(0, 5)]])[0]
+    prefilled = run_schedule(runner, [a], [[(0, 40)]])[0]
+    batched = run_schedule(
+        runner,
+        [a, b, c],
+        [[(1, 33), (0, 7), (2, 10)], [(0, 13), (1, 37), (2, 1)], [(2, 9), (0, 3)], [(0, 17), (2, 5)]],
+    )[0]
+    for name, got in (("verified", verified), ("prefilled", prefilled), ("batched", batched)):
+        assert torch.equal(got, alone), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 def test_single_projection_rows_are_batch_invariant(dtype):
     """The tiled projection: a row's output is the same bits in a call of 1, 9 or 75 rows, on a
@@ -77,26 +100,7 @@ def test_single_projection_rows_are_batch_invariant(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 def test_whole_model_logits_do_not_depend_on_the_step(tiny_model_dir, dtype):
-    runner = make_runner(tiny_model_dir, dtype)
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(3, 300, (40,), generator=g).tolist()
-    b = torch.randint(3, 300, (70,), generator=g).tolist()
-    c = torch.randint(3, 300, (25,), generator=g).tolist()
-    alone = run_schedule(runner, [a], alone_schedule(20, 40))[0]
-    # Verification: the prompt, then runs of k + 1 tokens as a speculative round feeds them.
-    verified = run_schedule(runner, [a], [[(0, 20)], [(0, 5)], [(0, 9)], [(0, 1)], [(0, 5)]])[0]
-    # One long prefill chunk over all 40 tokens (more than one tile).
-    prefilled = run_schedule(runner, [a], [[(0, 40)]])[0]
-    # Beside other sequences: b's long prefill and c's decoding share a's steps.
-    batched = run_schedule(
-        runner,
-        [a, b, c],
-        [[(1, 33), (0, 7), (2, 10)], [(0, 13), (1, 37), (2, 1)], [(2, 9), (0, 3)], [(0, 17), (2, 5)]],
-    )[0]
-    for name, got in (("verified", verified), ("prefilled", prefilled), ("batched", batched)):
-        assert torch.equal(got[19:], alone[19:]), name
-    # The prompt rows too (prefilled in 20 vs 40 vs 7 + 13): same bits.
-    assert torch.equal(prefilled[:19], alone[:19]) and torch.equal(batched[:19], alone[:19])
+    check_logits_do_not_depend_on_the_step(make_runner(tiny_model_dir, dtype))
 
 
 def test_invariant_mode_needs_the_lean_forward(tiny_model_dir):
@@ -153,3 +157,53 @@ def test_invariant_mode_with_int4_weights_routes_without_timing(tiny_model_dir):
     alone = [plain.generate(p, greedy)[0].token_ids for p in PROMPTS]
     assert [spec.generate(p, greedy)[0].token_ids for p in PROMPTS] == alone
     assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == alone
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_invariant_mode_over_block_kernels_computes_rows_alone_without_padding(tiny_model_dir, dtype):
+    """Where every projection takes specstream's block kernels, asked to compute each row alone, the row-wise work
+    runs untiled (a decode step computes one row, not 16) and a token's logits still do not depend on its step.
+    The tiny model's heads (16 wide) do not fit the attention kernel, so attention keeps its tiles."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    plain = engine(tiny_model_dir, dtype, quantization="int4")
+    runner = plain.runner
+    assert runner.fast.tile == 0 and runner.tile == INVARIANT_TILE
+    assert runner.tiling == f"rows alone, attention in tiles of {INVARIANT_TILE} rows"
+    projections = [runner.fast.lm_head, *runner.fast.layer_projections()]
+    assert all(lin.packed.kernel[-1] == ROWS_ALONE for lin in projections)
+    check_logits_do_not_depend_on_the_step(runner)
+
+
+@pytest.fixture(scope="module")
+def wide_heads_model_dir(tmp_path_factory):
+    """The tiny model with 64-wide heads (the attention kernel's), as the bundled model has; at this width an init
+    of 0.05 falls into the loops that n-gram drafts are accepted on."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-wide-heads"), hidden=256, initializer_range=0.05)
+
+
+def test_invariant_mode_attends_through_the_kernel_untiled_where_it_pairs_bfloat16(wide_heads_model_dir):
+    """Where the attention kernel multiplies bfloat16 pairs (AVX512-BF16 without AMX) it attends every group,
+    prefill chunks of any length included, computing a query row alone: invariant mode then drops attention's
+    tiles too, and greedy speculation and batching still give plain decoding's tokens."""
+    if not cpu_kernels.load() or not cpu_kernels.attention_pairs(torch.bfloat16, 64):
+        pytest.skip("the attention kernel's bfloat16 pairs need AVX512-BF16 without AMX (a CPU feature this one lacks)")
+    plain = engine(wide_heads_model_dir, "bfloat16", quantization="int4")
+    assert plain.runner.tile == 0 and plain.runner.fast.tile == 0 and plain.runner.tiling == "rows alone"
+    assert plain.runner.fast.math.attention_kernel
+    check_logits_do_not_depend_on_the_step(plain.runner)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    spec = engine(wide_heads_model_dir, "bfloat16", "ngram", quantization="int4")
+    # Drafts as chains: a tree row's keys sit elsewhere in its step, and attention sums keys grouped by place.
+    assert spec.proposer.trees is False
+    alone = [plain.generate(p, greedy)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in plain.generate(PROMPTS, greedy)] == alone
+    assert [spec.generate(p, greedy)[0].token_ids for p in PROMPTS] == alone
+    assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == alone
+    assert spec.metrics.num_accepted_tokens._value.get() > 0
+
+
+def test_invariant_mode_keeps_its_tiles_where_a_dense_gemm_serves(tiny_model_dir):
+    """Dense weights (quantization none): the GEMM rounds by row count, so the row-wise work stays in tiles."""
+    runner = engine(tiny_model_dir, "bfloat16", quantization="none").runner
+    assert runner.fast.tile == INVARIANT_TILE and runner.tiling == f"tiles of {INVARIANT_TILE} rows"

@@ -11,7 +11,7 @@ from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels import quant, routes
 from specstream.kernels.weights import q4_k_weights, read_gguf_blocks, source_int4_weights
 from specstream.kernels.weights import Int4Weights, Int8Blocks
-from specstream.kernels.quant import Linear, LinearFactory, PackedInt4, PackedInt8
+from specstream.kernels.quant import Linear, LinearFactory, PackedInt4, PackedInt8, project
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -565,3 +565,38 @@ def test_4bit_block_kernel_gives_each_row_of_a_16_row_call_the_bits_it_gets_alon
                 alone = torch.zeros_like(tile)
                 alone[0] = tile[r]
                 assert torch.equal(packed(alone)[0], full[r]), (dtype, r)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_kernels_asked_for_rows_alone_give_a_row_the_same_bits_at_every_row_count(bits):
+    """quant.ROWS_ALONE (--deterministic without padding): the block kernels then take one path and one summation
+    order at every row count, so a row's outputs in a call of 2-33 rows are the bits it gets alone. Without it a few
+    rows take float32 or several chains, and a row alone rounds differently (float32 x shows any change of order)."""
+    if not cpu_kernels.load():
+        pytest.skip("specstream's CPU kernels did not build (no g++)")
+    device = torch.device("cpu")
+    packed = quant.PackedQ4(random_int4(96, 512), device) if bits == 4 else quant.PackedInt8Blocks(random_int8_blocks(96, 512), device)
+    linear = Linear(["w"], None, packed)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(33, 512, generator=gen).to(dtype)
+        before = [project(packed.kernel, x[: n])[n - 1] for n in range(1, 34)]
+        assert linear.rows_alone() and packed.kernel[-1] == quant.ROWS_ALONE
+        alone = [project(packed.kernel, x[r : r + 1])[0] for r in range(33)]
+        for n in (2, 3, 4, 5, 9, 12, 13, 16, 17, 33):
+            y = project(packed.kernel, x[:n])
+            assert all(torch.equal(y[r], alone[r]) for r in range(n)), (dtype, n)
+        # the same weights either way: only the order of the sums moved
+        torch.testing.assert_close(torch.stack(before), torch.stack(alone), rtol=2e-2, atol=2e-2)
+        packed.kernel = packed.kernel[:-1]
+
+
+def test_only_the_block_kernels_serving_every_call_compute_rows_alone():
+    """Linear.rows_alone: a dense route (some calls through the GEMM) or torch's int4 kernel cannot, and say so."""
+    dense = Linear(["w"], torch.randn(32, 64))
+    assert not dense.rows_alone()
+    routed = Linear(["w"], torch.randn(96, 512), quant.PackedQ4(random_int4(96, 512), torch.device("cpu")))
+    routed.max_packed_rows = 16
+    assert not routed.rows_alone()
+    torch_int4 = Linear(["w"], None, PackedInt4(random_int4(96, 512), torch.float32, torch.device("cpu")))
+    assert not torch_int4.rows_alone()

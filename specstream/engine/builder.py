@@ -109,10 +109,13 @@ class EngineBuilder:
         runner, weights = self.make_runner(model, pool, source)
         resident.mark("weights")
         # A background compile starts once start-up has timed what it times (a compile beside it skews that).
-        background = config.compile_in_background and config.compile and not config.deterministic
+        background = config.compile_in_background and config.compile and not runner.tile
         forward = "eager (compiling in the background)" if background else self.compile(runner)
         resident.mark("compile")
-        trees = spec.tree_drafts and not pool.windowed  # tree masks are built for full-context layers
+        # Tree masks are built for full-context layers. Invariant mode verifies chains: a tree row's keys sit at other
+        # places in its step than the same path's as a chain (its siblings masked between them), and attention's
+        # sums group keys by place, so a tree row rounds apart from the same token decoded.
+        trees = spec.tree_drafts and not pool.windowed and not config.deterministic
         ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions, trees)
         proposer = make_proposer(ctx)
         resident.mark("proposer")
@@ -202,6 +205,7 @@ class EngineBuilder:
             routes_file=routes_file, floors=self.packed_floors(runner),
         )
         runner.fast.routes_settled()
+        runner.untile()  # (invariant mode)
         return runner, routes.describe(factory, choices)
 
     def packed_floors(self, runner: ModelRunner) -> dict[tuple[int, int], int]:
@@ -236,11 +240,12 @@ class EngineBuilder:
     def compile(self, runner: ModelRunner) -> str:
         """The forward's compiled steps (runner.compile), after the kernel routes are settled; a line
         for the log."""
-        if not self.config.compile:
-            return "eager"
-        if self.config.deterministic:
-            return "eager (invariant mode)"
-        return runner.compile(background=self.config.compile_in_background)
+        # Invariant mode's line keys the kept forward times (rows alone or in tiles). Its tiles stay eager; without
+        # them its steps compile as any (the compiled steps compute a row as the eager forward does).
+        mode = f" (invariant mode: {runner.tiling})" if self.config.deterministic else ""
+        if runner.tile or not self.config.compile:
+            return f"eager{mode}"
+        return runner.compile(background=self.config.compile_in_background) + mode
 
     def calibration_file(self, source: ModelSource, weights: str, runner: ModelRunner) -> Path | None:
         """Where the target's forward-time curve is kept between starts, keyed by the weight kernels,

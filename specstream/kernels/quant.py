@@ -39,6 +39,10 @@ from specstream.kernels.weights import GROUP, Int4Weights, Int8Blocks, SourceWei
 # takes as an argument (model/fast_llama.py), so one traced graph serves every layer.
 Kernel = tuple
 
+# The block kernels' path that computes each row alone (q4_linear, q8_linear: one path and one summation order at
+# every row count), appended to a "q4" or "q8" kernel by Linear.rows_alone.
+ROWS_ALONE = -2
+
 
 def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T with W held as kernel says: "dense" (weight), "int4" (torch's packed int4 layout and
@@ -49,9 +53,9 @@ def project(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     if kind == "dense":
         return F.linear(x.to(a.dtype), a)  # (a residual stream wider than the weights: FastLlama's stream_dtype)
     if kind == "q8":
-        return torch.ops.specstream.q8_linear(x, a, b)
+        return torch.ops.specstream.q8_linear(x, a, b, *planes)  # (planes: [] or [ROWS_ALONE])
     if kind == "q4":
-        return torch.ops.specstream.q4_linear(x, a, b, planes[0])
+        return torch.ops.specstream.q4_linear(x, a, b, *planes)  # (mins, and ROWS_ALONE where asked)
     if kind == "a8":
         return torch.ops.specstream.a8_linear(x, a, b, planes[0])
     if kind == "int8":
@@ -267,6 +271,18 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.kernel_for(x.shape[0]), x)
+
+    def rows_alone(self) -> bool:
+        """Have every call compute each row as the row alone would be computed: the same bits at any row count,
+        so a token's output does not depend on what else its step held. True where the packed kernel serves
+        every call and can: a8's (integer sums: always), or q4/q8 asked for ROWS_ALONE. False where a dense
+        GEMM or torch's int4 kernel serves some call: their rounding follows the row count."""
+        if self.packed is None or self.max_packed_rows < 1 << 30:
+            return False
+        kind = self.packed.kernel[0]
+        if kind in ("q4", "q8") and not isinstance(self.packed.kernel[-1], int):
+            self.packed.kernel = (*self.packed.kernel, ROWS_ALONE)
+        return kind in ("q4", "q8", "a8")
 
     @property
     def shape(self) -> tuple[int, int]:

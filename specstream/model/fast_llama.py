@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -233,6 +233,32 @@ class FastLlama:
     def layer_projections(self) -> list[Projection]:
         """Every decoder layer's projections (q/k/v, o, gate/up, down), layer by layer: the ones the compiled steps run."""
         return [lin for layer in self.layers for lin in (layer[1], layer[2], layer[4], layer[5])]
+
+    def untile_rows(self) -> bool:
+        """Invariant mode (runner.py) without padding the row-wise work, where it can: when every projection
+        computes each row alone at any row count (Linear.rows_alone: specstream's block kernels) and the norms
+        run the rms_norm kernel (one summation order per row), the row-wise ops (norms, projections, rotary,
+        MLP, LM head) give a row the same bits in any step without tiles, as the remaining ops act per element.
+        Attention keeps its tiles (the runner's). A one-row decode step then computes one row, not a tile.
+        Returns whether the tiles went; False leaves them (a dense GEMM serves some projection)."""
+        projections = [self.lm_head, *self.layer_projections()]
+        if not self.tile or not self.math.norm_kernel or not all(isinstance(lin, Linear) for lin in projections):
+            return False
+        if not all([lin.rows_alone() for lin in projections]):
+            return False
+        self.tile = 0
+        return True
+
+    def attend_alone(self) -> bool:
+        """After untile_rows: whether attention can drop its tiles too, and if so attend every group, prefill
+        chunks of any length included, through specstream's kernel, which computes a query row alone and sums
+        its keys alike whatever the step spans. Only where it multiplies bfloat16 pairs from each sequence's keys
+        laid out once (cpu.attention_pairs): elsewhere its prefill paths are too slow to take every chunk."""
+        if self.tile or not cpu_kernels.attention_pairs(self.embed.dtype, self.math.head_dim):
+            return False
+        self.math = replace(self.math, attention_kernel=True)
+        self.prefill_keys = 1 << 62
+        return True
 
     def routes_settled(self) -> None:
         """Called once the projections' routes are settled (kernels/routes.py): which prefill chunks attend through

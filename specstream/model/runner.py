@@ -14,6 +14,13 @@ masked, over keys padded with masked columns (which add exact zeros) to a multip
 sees one shape, and a token's numbers are the same whether it was computed alone, as one of
 k + 1 verified tokens, in a prefill chunk or beside other sequences. The price is the padding
 (a one-row decode step computes `tile` rows) and a loop over tiles for long prefills.
+
+Tiles are only needed where a kernel's rounding follows the shape. Where every projection takes
+specstream's block kernels, asked to compute each row alone (kernels/quant.py's ROWS_ALONE: one path
+and one summation order at any row count), and the norms take the rms_norm kernel, the row-wise work
+runs untiled (FastLlama.untile_rows); where the attention kernel multiplies bfloat16 pairs it attends
+every group alone too and attention's tiles go as well (FastLlama.attend_alone, ModelRunner.untile).
+A decode step then computes one row, as outside invariant mode.
 """
 
 from __future__ import annotations
@@ -127,6 +134,20 @@ class ModelRunner:
                     f"{type(model).__name__} runs through transformers' modules, which it cannot tile"
                 )
             self._probe()
+
+    def untile(self) -> None:
+        """Invariant mode (a tile) without the tiles its kernels make needless: the row-wise work's where every
+        projection computes a row alone (FastLlama.untile_rows), then attention's where its kernel does
+        (FastLlama.attend_alone). A no-op outside invariant mode."""
+        if self.tile and self.fast is not None and self.fast.untile_rows() and self.fast.attend_alone():
+            self.tile = 0
+
+    @property
+    def tiling(self) -> str:
+        """What invariant mode runs in tiles, for the log."""
+        if self.fast is not None and self.fast.tile:
+            return f"tiles of {self.tile} rows"
+        return f"rows alone, attention in tiles of {self.tile} rows" if self.tile else "rows alone"
 
     _pending: _PendingCompile | None = None
 

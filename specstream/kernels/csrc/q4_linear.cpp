@@ -40,8 +40,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 12;  // rows of x per pass over a tile
 
 // The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 2 rows of bfloat16 x; scalar without AVX-512),
-// 1 AMX-BF16 tiles (bfloat16 x only).
-constexpr int64_t kVector = 0, kAmx = 1;
+// 1 AMX-BF16 tiles (bfloat16 x only). kInvariant (-2) asks for row invariance: a row's outputs are the same bits
+// whatever the call's row count, so one path for every row count (the tiles where -1 would take them for many
+// rows, else the vector path with bfloat16 pairs even for one row) and one chain a row in every pass.
+constexpr int64_t kVector = 0, kAmx = 1, kInvariant = -2;
 // AMX pays from this many rows of bfloat16 x, fewer take the vector path. Timed alone on a 2-core Xeon with AMX over
 // the bundled model's layer shapes (a weight called again and again, so read from the cache): AMX 0.74-0.75x the
 // vector path at 1 row, 0.85-0.97x at 2, 1.6-1.8x at 4, 1.9-2.2x at 9, 2.3-2.7x at 16. In a forward every weight
@@ -209,21 +211,23 @@ void amx_tile(const uint16_t* x, const float* xsum, int64_t k, int64_t rows, con
 // path was as fast at 1-3 rows; in a forward, where every weight comes from memory, the pairs made a step of 2 or 3
 // rows cheaper (the README's kernels section), and one row is as fast either way. From 4 rows the pairs win alone
 // too, 1.2-1.7x at 9-16 rows.
+// Under kInvariant (invariant) one row takes the pairs too, so that a row is summed alike at every row count.
 template <int64_t ROWS, int64_t CHAINS, typename S>
 inline void tile(const float* x, const uint16_t* xb, const float* xsum, int64_t k, const uint8_t* codes, const S* scales,
-                 const S* mins, __m512* out) {
+                 const S* mins, __m512* out, bool invariant) {
 #if defined(__AVX512BF16__)
-  if (ROWS >= 2 && xb != nullptr) {
+  if ((ROWS >= 2 || invariant) && xb != nullptr) {
     tile_rows_bf16<ROWS, CHAINS>(xb, xsum, k, codes, scales, mins, out);
     return;
   }
 #endif
+  (void)invariant;
   tile_rows<ROWS, CHAINS>(x, xsum, k, codes, scales, mins, out);
 }
 
 template <typename T, typename S>
 void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scales, const S* mins, T* y,
-         int64_t m_rows, int64_t n_rows, int64_t k, int64_t path) {
+         int64_t m_rows, int64_t n_rows, int64_t k, int64_t path, bool invariant) {
   const int64_t tiles = n_rows / kTile, blocks = k / kBlock;
   std::vector<float> xsums(m_rows * blocks);  // each block's sum, a vector's lanes at a time (a chain of 32
   for (int64_t r = 0; r < m_rows; ++r)        // dependent adds a block cost more than the tiles at 9 rows)
@@ -256,21 +260,21 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
         // a call has more rows than one pass holds, its last pass takes one chain a row, as every full pass does:
         // otherwise the rows of a 16-row call that fell in its last 4 were summed in 4 chains, a decode step's row
         // (padded to 16 rows in --deterministic) in 1, and now and then the two rounded apart. A call of a few
-        // rows (a verification, a decode step outside --deterministic) keeps its chains.
-        const bool few = m_rows <= kRows;
+        // rows (a verification, a decode step) keeps its chains, unless the call asks for row invariance.
+        const bool few = m_rows <= kRows && !invariant;
         switch (rows) {
-          case 1: few ? tile<1, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<1, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 2: few ? tile<2, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<2, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 3: few ? tile<3, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<3, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 4: few ? tile<4, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<4, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 5: few ? tile<5, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<5, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 6: few ? tile<6, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out) : tile<6, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 7: tile<7, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 8: tile<8, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 9: tile<9, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 10: tile<10, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          case 11: tile<11, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
-          default: tile<12, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out); break;
+          case 1: few ? tile<1, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<1, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 2: few ? tile<2, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<2, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 3: few ? tile<3, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<3, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 4: few ? tile<4, 4>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<4, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 5: few ? tile<5, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<5, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 6: few ? tile<6, 2>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant) : tile<6, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 7: tile<7, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 8: tile<8, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 9: tile<9, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 10: tile<10, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          case 11: tile<11, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
+          default: tile<12, 1>(xm, xbm, xsum + m0 * blocks, k, c, d, m, out, invariant); break;
         }
         for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
       }
@@ -283,7 +287,7 @@ void run(const float* x, const uint16_t* xb, const uint8_t* codes, const S* scal
 // Without AVX-512: the same arithmetic, one weight at a time.
 template <typename T, typename S>
 void run(const float* x, const uint16_t* /*xb*/, const uint8_t* codes, const S* scales, const S* mins, T* y,
-         int64_t m_rows, int64_t n_rows, int64_t k, int64_t /*path*/) {
+         int64_t m_rows, int64_t n_rows, int64_t k, int64_t /*path*/, bool /*invariant*/) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, n_rows, kTile, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -316,7 +320,8 @@ std::vector<int64_t> q4_paths() {
 
 // x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 16] uint8, scales and mins [N / 16, K / 32, 16] fp16 (or
 // fp32, both); path -1 picks (AMX for kAmxMinRows rows or more of bfloat16 x where the CPU has it), 0 or 1 asks for
-// one (1: bfloat16 x on a CPU and build with AMX-BF16). Returns [M, N] in x's dtype.
+// one (1: bfloat16 x on a CPU and build with AMX-BF16), -2 (kInvariant) picks one for every row count and sums a row
+// alike at every row count. Returns [M, N] in x's dtype.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t path) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3 && mins.dim() == 3, "q4_linear: 2-d x, 3-d weights");
@@ -341,14 +346,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto* xb = packed.defined() ? reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()) : nullptr;
   static const std::vector<int64_t> paths = q4_paths();
   const bool amx = std::find(paths.begin(), paths.end(), kAmx) != paths.end();
-  TORCH_CHECK(path >= -1 && path <= kAmx, "q4_linear: path -1, 0 or 1, not ", path);
+  TORCH_CHECK(path >= kInvariant && path <= kAmx, "q4_linear: path -2, -1, 0 or 1, not ", path);
   TORCH_CHECK(path != kAmx || (amx && xb != nullptr), "q4_linear: the AMX path needs bfloat16 x and a CPU and build with AMX-BF16");
-  if (path < 0) path = amx && xb != nullptr && m >= kAmxMinRows ? kAmx : kVector;
+  const bool invariant = path == kInvariant;
+  if (path < 0) path = amx && xb != nullptr && (invariant || m >= kAmxMinRows) ? kAmx : kVector;
   auto with_scales = [&](const auto* sp, const auto* mp) {
     switch (x.scalar_type()) {
-      case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k, path); break;
-      case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k, path); break;
-      case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k, path); break;
+      case at::kFloat: run<float>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<float>(), m, n, k, path, invariant); break;
+      case at::kBFloat16: run<c10::BFloat16>(widened.data(), xb, cp, sp, mp, y.data_ptr<c10::BFloat16>(), m, n, k, path, invariant); break;
+      case at::kHalf: run<c10::Half>(widened.data(), nullptr, cp, sp, mp, y.data_ptr<c10::Half>(), m, n, k, path, invariant); break;
       default: TORCH_CHECK(false, "q4_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
     }
   };

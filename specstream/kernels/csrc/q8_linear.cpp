@@ -49,7 +49,10 @@ constexpr int64_t kBlock = 32;  // inputs a row of x must come in multiples of; 
 
 // The paths: 0 the vector path (float32 FMA, or VDPBF16PS pairs from 5 rows of bfloat16 x; scalar without AVX-512),
 // 1 AMX-BF16 tiles (bfloat16 x, a scale per 32 inputs).
-constexpr int64_t kVector = 0, kAmx = 1;
+// kInvariant (-2) asks for row invariance: a row's outputs are the same bits whatever the call's row count, so one
+// path for every row count (the tiles where -1 would take them for many rows, else the vector path with bfloat16
+// pairs even for one row, or float32 with one chain a row).
+constexpr int64_t kVector = 0, kAmx = 1, kInvariant = -2;
 // AMX pays from this many rows of bfloat16 x, fewer take the vector path. Timed alone on a 2-core Xeon with AMX, the
 // bundled model's LM head, 49152 x 576: AMX 0.66x the vector path at 1 row, even at 4, 4.4x at 9, 5.3x at 16; in a
 // forward, where the other layers' weights have pushed it out of the cache, the tiles win from 2 rows (q4_linear.cpp's
@@ -179,7 +182,16 @@ void amx_tile(const uint16_t* x, int64_t k, int64_t rows, const int8_t* codes, c
 
 // Rows m0 .. m0 + rows of x against tile t (codes c, scales d) into out, by the float32 path.
 template <int64_t G>
-inline void pass_f32(const float* x, int64_t rows, int64_t k, const int8_t* c, const float* d, __m512* out) {
+inline void pass_f32(const float* x, int64_t rows, int64_t k, const int8_t* c, const float* d, __m512* out,
+                     bool invariant) {
+  if (invariant && rows < 4) {  // one chain a row, as from 4 rows
+    switch (rows) {
+      case 1: tile_f32<G, 1, 1>(x, k, c, d, out); break;
+      case 2: tile_f32<G, 2, 1>(x, k, c, d, out); break;
+      default: tile_f32<G, 3, 1>(x, k, c, d, out); break;
+    }
+    return;
+  }
   switch (rows) {
     case 1: tile_f32<G, 1, 2>(x, k, c, d, out); break;
     case 2: tile_f32<G, 2, 2>(x, k, c, d, out); break;
@@ -214,7 +226,7 @@ inline void pass_bf16(const uint16_t* x, int64_t rows, int64_t k, const int8_t* 
 
 template <typename T, int64_t G>
 void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* scales, T* y, int64_t m_rows,
-         int64_t n_rows, int64_t k, int64_t path) {
+         int64_t n_rows, int64_t k, int64_t path, bool invariant) {
   const int64_t tiles = n_rows / kTile, blocks = k / G;
 #if defined(SPECSTREAM_Q8_AMX)
   if (path == kAmx) {
@@ -226,9 +238,10 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
   }
 #endif
   // bfloat16 pairs from 5 rows: below, widening the codes to bfloat16 costs more than the pairs save (measured on
-  // an AMD EPYC: float32 faster at 1-3 rows, even at 4, pairs 1.2-1.4x faster at 5-16).
+  // an AMD EPYC: float32 faster at 1-3 rows, even at 4, pairs 1.2-1.4x faster at 5-16). Row invariance: pairs at every
+  // row count.
 #if defined(__AVX512BF16__)
-  const bool pairs = xb != nullptr && m_rows >= 5;
+  const bool pairs = xb != nullptr && (m_rows >= 5 || invariant);
 #else
   const bool pairs = false;
   (void)xb;
@@ -246,7 +259,7 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
           pass_bf16<G>(xb + m0 * k, rows, k, c, d, out);
         else
 #endif
-          pass_f32<G>(x + m0 * k, rows, k, c, d, out);
+          pass_f32<G>(x + m0 * k, rows, k, c, d, out, invariant);
         for (int64_t r = 0; r < rows; ++r) store_tile(y + (m0 + r) * n_rows + t * kTile, out[r]);
       }
     }
@@ -258,7 +271,7 @@ void run(const float* x, const uint16_t* xb, const int8_t* codes, const float* s
 // Without AVX-512: the same sums (per block, then d), one output at a time.
 template <typename T, int64_t G>
 void run(const float* x, const uint16_t* /*xb*/, const int8_t* codes, const float* scales, T* y, int64_t m_rows,
-         int64_t n_rows, int64_t k, int64_t /*path*/) {
+         int64_t n_rows, int64_t k, int64_t /*path*/, bool /*invariant*/) {
   const int64_t tiles = n_rows / kTile, blocks = k / G;
   constexpr int64_t kPairs = G / 2;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -294,7 +307,8 @@ std::vector<int64_t> q8_paths() {
 
 // x [M, K] (float32, bf16 or fp16), codes [N / 16, K / 2, 32] int8, scales [N / 16, K / G, 16] float32 (G = 32 or
 // 16); path -1 picks (AMX for kAmxMinRows rows or more of bfloat16 x, G = 32, where the CPU has it), 0 or 1 asks for
-// one (1: bfloat16 x, G = 32, on a CPU and build with AMX-BF16). Returns [M, N] in x's dtype.
+// one (1: bfloat16 x, G = 32, on a CPU and build with AMX-BF16), -2 (kInvariant) picks one for every row count and
+// sums a row alike at every row count. Returns [M, N] in x's dtype.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == 3, "q8_linear: 2-d x, 3-d codes and scales");
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat, "q8_linear: int8 codes, float32 scales");
@@ -316,16 +330,17 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto* sp = s.data_ptr<float>();
   static const std::vector<int64_t> paths = q8_paths();
   const bool amx = std::find(paths.begin(), paths.end(), kAmx) != paths.end() && xb != nullptr && !sixteen;
-  TORCH_CHECK(path >= -1 && path <= kAmx, "q8_linear: path -1, 0 or 1, not ", path);
+  TORCH_CHECK(path >= kInvariant && path <= kAmx, "q8_linear: path -2, -1, 0 or 1, not ", path);
   TORCH_CHECK(path != kAmx || amx, "q8_linear: the AMX path needs bfloat16 x, a scale per 32 inputs and a CPU and build "
               "with AMX-BF16");
-  if (path < 0) path = amx && m >= kAmxMinRows ? kAmx : kVector;
+  const bool invariant = path == kInvariant;
+  if (path < 0) path = amx && (invariant || m >= kAmxMinRows) ? kAmx : kVector;
   auto with_group = [&](auto group) {
     constexpr int64_t G = decltype(group)::value;
     switch (x.scalar_type()) {
-      case at::kFloat: run<float, G>(widened.data(), nullptr, cp, sp, y.data_ptr<float>(), m, n, k, path); break;
-      case at::kBFloat16: run<c10::BFloat16, G>(widened.data(), xb, cp, sp, y.data_ptr<c10::BFloat16>(), m, n, k, path); break;
-      case at::kHalf: run<c10::Half, G>(widened.data(), nullptr, cp, sp, y.data_ptr<c10::Half>(), m, n, k, path); break;
+      case at::kFloat: run<float, G>(widened.data(), nullptr, cp, sp, y.data_ptr<float>(), m, n, k, path, invariant); break;
+      case at::kBFloat16: run<c10::BFloat16, G>(widened.data(), xb, cp, sp, y.data_ptr<c10::BFloat16>(), m, n, k, path, invariant); break;
+      case at::kHalf: run<c10::Half, G>(widened.data(), nullptr, cp, sp, y.data_ptr<c10::Half>(), m, n, k, path, invariant); break;
       default: TORCH_CHECK(false, "q8_linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
     }
   };
