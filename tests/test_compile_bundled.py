@@ -82,7 +82,7 @@ def test_compiled_logits_match_eager_on_the_bundled_model():
 
 def test_compiled_a8_logits_equal_eager():
     """Where a8 serves: the compiled steps' logits are the eager forward's, bit for bit, in float32 as in bf16
-    (test_a8_decode_and_verification_rows_are_bit_identical_in_bf16)."""
+    (test_rows_are_bit_identical_in_any_step_in_bf16)."""
     from specstream.kernels import quant
 
     if not quant.a8_serves(torch.device("cpu")):
