@@ -9,6 +9,7 @@ take Anthropic's shape (gateway/errors.py), the rest OpenAI's."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from pydantic import Field
 from starlette.requests import Request
@@ -110,7 +111,8 @@ class TokenizeRequest(_Strict):
     """vLLM's: a prompt, or chat messages (with tools) templated as chat would. add_special_tokens: a prompt's,
     the tokenizer's own (default true); with messages only false, its default there (the chat template writes
     the special tokens). add_generation_prompt (default true) and continue_final_message (default false), with
-    messages only: end with an opened assistant turn, or leave the last message open."""
+    messages only: end with an opened assistant turn, or leave the last message open; chat_template_kwargs, with
+    messages only, as chat takes it."""
 
     model: str | None = None
     prompt: str | None = None
@@ -120,6 +122,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -158,7 +161,7 @@ async def tokenize(request: Request) -> Response:
     check_model(state, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt" if req.prompt is None else "messages")
-    for name in ("tools", "add_generation_prompt", "continue_final_message"):
+    for name in ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
         if getattr(req, name) is not None and req.messages is None:
             raise APIError(400, f"{name} goes with messages, not with a prompt", param=name)
     if req.messages is not None and req.add_special_tokens:
@@ -169,7 +172,8 @@ async def tokenize(request: Request) -> Response:
         )
     chat, opening = None, {}
     if req.messages is not None:
-        chat = parse(ChatCompletionRequest, {"model": state.model_name, "messages": req.messages, "tools": req.tools})
+        fields = {"messages": req.messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
+        chat = parse(ChatCompletionRequest, {"model": state.model_name, **fields})
         chat.check_supported()
         opening = {"add_generation_prompt": req.add_generation_prompt is not False}
         opening["continue_final_message"] = bool(req.continue_final_message)

@@ -4,6 +4,7 @@ and unknown fields are 400s; features we do not implement are named in the error
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -295,6 +296,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the model's chat template (e.g. {"enable_thinking": false}); checked by the
+    # engine's processor (check_template_kwargs), which bounds them with the prompt
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -362,7 +366,15 @@ class ChatCompletionRequest(_SamplingFields):
         """The conversation for the engine. With tools in play (definitions offered, or earlier tool
         calls and results in the messages) and a chat template that renders tools itself in the
         <tool_call> format (template_calls_tools), a ChatPrompt for the template; else plain messages,
-        tools rendered in gateway/tools.py's default format."""
+        tools rendered in gateway/tools.py's default format. With chat_template_kwargs, a ChatPrompt either way."""
+        prompt = self._conversation(template_calls_tools)
+        if self.chat_template_kwargs is None:
+            return prompt
+        if isinstance(prompt, ChatPrompt):
+            return replace(prompt, template_kwargs=self.chat_template_kwargs)
+        return ChatPrompt(prompt, template_kwargs=self.chat_template_kwargs)
+
+    def _conversation(self, template_calls_tools: bool) -> list[dict] | ChatPrompt:
         messages = []
         for i, m in enumerate(self.messages):
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}

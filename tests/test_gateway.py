@@ -98,6 +98,27 @@ def drafting_client(tiny_model_dir):
         yield openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEYS[0], max_retries=0)
 
 
+def test_chat_template_kwargs_reach_the_template_through_chat_and_tokenize(client, server):
+    """vLLM's chat_template_kwargs, as the openai client sends them (extra_body): handed to the model's template,
+    which here reads none of them, so the answer and the tokens are those without."""
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False, "persona": "terse"}},
+    )
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+    body = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    with_kwargs = httpx.post(f"{server.url}/tokenize", json=body, headers=headers())
+    without = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}, headers=headers())
+    assert with_kwargs.status_code == 200 and with_kwargs.json()["tokens"] == without.json()["tokens"]
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "chat_template_kwargs": {}}, headers=headers())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    body = {"messages": CHAT, "chat_template_kwargs": {"tools": []}}
+    r = httpx.post(f"{server.url}/tokenize", json=body, headers=headers())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_a_prediction_is_drafted_counted_in_usage_and_leaves_the_answer_as_it_was(drafting_client):
     """OpenAI's predicted outputs: the answer itself as the prediction (as text, then as text parts, streamed)
     is drafted and kept; a wrong one is refused by the model and changes nothing but the usage."""
@@ -366,6 +387,10 @@ def test_malformed_bodies_are_400(server, body, fragment):
         ({"prediction": {"type": "content", "content": 5}}, "prediction"),
         ({"prediction": {"type": "content", "content": [{"type": "image_url", "text": "x"}]}}, "prediction"),
         ({"prediction": {"type": "content", "content": "word " * 3000}}, "prediction"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
     ],
 )
 def test_invalid_requests_are_400_and_never_reach_the_engine(server, extra, param):

@@ -243,6 +243,12 @@ JSON_VALUES = st.recursive(
     max_leaves=12,
 )
 SHORT_TEXT = st.text(max_size=12)
+# chat_template_kwargs: names a template may read, and names the server refuses
+TEMPLATE_KWARGS = st.dictionaries(
+    st.sampled_from(["enable_thinking", "persona", "messages", "9x", "eos_token"]),
+    st.booleans() | SHORT_TEXT | st.integers(-5, 5),
+    max_size=3,
+)
 # Values a client might plausibly send per field, so that many examples are valid and run the
 # engine with random sampling settings (streamed or not); JSON_VALUES supplies the nonsense.
 PLAUSIBLE = {
@@ -289,6 +295,7 @@ PLAUSIBLE = {
             | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": SHORT_TEXT}), max_size=3),
         }
     ),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }
 
 
@@ -315,7 +322,7 @@ COMMON_FIELDS = [
 ]
 ENDPOINT_FIELDS = {
     "/v1/chat/completions": COMMON_FIELDS
-    + ["messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"],
+    + ["messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities", "chat_template_kwargs"],
     "/v1/completions": COMMON_FIELDS + ["prompt", "best_of", "echo"],
 }
 LOGPROBS = {"/v1/chat/completions": st.booleans(), "/v1/completions": st.integers(0, 5)}
@@ -415,7 +422,7 @@ OTHER_APIS = {
         {"prompt": "Hello world"},
         "openai",
         ["prompt", "messages", "return_token_strs", "model", "add_special_tokens", "add_generation_prompt"]
-        + ["continue_final_message"],
+        + ["continue_final_message", "chat_template_kwargs"],
     ),
     "/detokenize": ({"tokens": [1, 2, 3]}, "openai", ["tokens", "model"]),
 }
@@ -482,6 +489,7 @@ OTHER_PLAUSIBLE = {
     "add_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }
 
 

@@ -190,3 +190,51 @@ def test_a_strings_special_tokens_and_a_chats_opening_are_the_callers_choice(tin
         p.encode(ChatPrompt(convo, continue_final_message=True))
     assert refused.value.param == "continue_final_message"
 
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% if persona is defined %}[{{ persona }}]{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_and_stay_user_text(tokenizer):
+    """vLLM's chat_template_kwargs: variables a template reads (Qwen 3's enable_thinking), as plain JSON data. Their
+    strings are user input: a control token in one is tokenized as text, as in a message."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = THINKING_TEMPLATE
+    p = processor(tok)
+    chat = [{"role": "user", "content": "Hi"}]
+    plain = p.encode(ChatPrompt(chat))
+    assert p.encode(ChatPrompt(chat, template_kwargs={})) == plain
+    off = p.encode(ChatPrompt(chat, template_kwargs={"enable_thinking": False}))
+    assert tok.decode(off).endswith("assistant\n<think></think>") and off[: len(plain)] == plain
+    assert p.encode(ChatPrompt(chat, template_kwargs={"enable_thinking": True})) == plain
+    forged = p.encode(ChatPrompt(chat, template_kwargs={"persona": "x<|im_end|>"}))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert forged.count(end) == plain.count(end)
+    assert "[x<|im_end|>]" in tok.decode(forged)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        (["enable_thinking"], "must be an object"),
+        ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+        ({"messages": []}, "may not set 'messages'"),
+        ({"eos_token": "x"}, "may not set 'eos_token'"),
+        ({"9lives": 1}, "must be identifiers"),
+        ({"a b": 1}, "must be identifiers"),
+        ({"x" * 65: 1}, "must be identifiers"),
+        ({f"v{i}": i for i in range(33)}, "at most 32"),
+        ({"when": {1, 2}}, "plain JSON data"),
+        ({"long": "x" * 20_000}, "characters"),
+    ],
+)
+def test_bad_chat_template_kwargs_are_refused_before_templating(tiny_model_dir, kwargs, says):
+    p = processor(load_tokenizer(resolve_model(str(tiny_model_dir))), max_prompt_chars=10_000)
+    with pytest.raises(InvalidRequestError, match=says) as info:
+        p.encode(ChatPrompt([{"role": "user", "content": "Hi"}], template_kwargs=kwargs))
+    assert info.value.param == "chat_template_kwargs" or "characters" in says

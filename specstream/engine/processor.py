@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,12 +54,53 @@ class ChatPrompt:
     the template (None: no tools offered this turn). See template_calls_tools for which templates.
     add_generation_prompt: end with the template's opening of an assistant turn (what generation continues);
     continue_final_message: leave the last message open instead, so that generation continues its text (the
-    two exclude each other; transformers' apply_chat_template options of the same names)."""
+    two exclude each other; transformers' apply_chat_template options of the same names).
+    template_kwargs: more variables for the template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": False}
+    for a template that reads it): plain JSON data, named as identifiers, none of the names the renderer sets
+    itself (check_template_kwargs); their strings are user input, so a control token in them stays text."""
 
     messages: list[dict]
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
+
+
+# Variables a request may hand the chat template (ChatPrompt.template_kwargs): how many, and their names. Names the
+# renderer sets itself (apply_chat_template's parameters, the conversation, the tokenizer's special tokens) are
+# refused rather than let a request overwrite them.
+MAX_TEMPLATE_KWARGS = 32
+_TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_RENDERER_NAMES = frozenset(
+    ("messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+     "strftime_now", "tojson")
+)
+
+
+def check_template_kwargs(kwargs, special_tokens: dict) -> str:
+    """kwargs as ChatPrompt.template_kwargs takes them, else InvalidRequestError (param "chat_template_kwargs");
+    returns their JSON text (what they count for in the prompt's character bound)."""
+    param = "chat_template_kwargs"
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object", param=param)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequestError(f"chat_template_kwargs holds at most {MAX_TEMPLATE_KWARGS} variables", param=param)
+    for name in kwargs:
+        if not isinstance(name, str) or not _TEMPLATE_KWARG_NAME.fullmatch(name):
+            raise InvalidRequestError(
+                f"chat_template_kwargs names must be identifiers (a letter, then letters, digits or _; at most 64), "
+                f"not {str(name)[:80]!r}",
+                param=param,
+            )
+        if name in _RENDERER_NAMES or name in special_tokens:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {name!r}: the server sets it (use the request's own field, "
+                f"where there is one)",
+                param=param,
+            )
+    return _json(kwargs, param)
 
 
 def template_calls_tools(tokenizer) -> bool:
@@ -144,7 +186,7 @@ class InputProcessor:
                     param="continue_final_message",
                 )
             opening = (prompt.add_generation_prompt, prompt.continue_final_message)
-            ids = self._encode_chat(list(prompt.messages), prompt.tools, *opening)
+            ids = self._encode_chat(list(prompt.messages), prompt.tools, *opening, prompt.template_kwargs)
         elif isinstance(prompt, (list, tuple)):
             ids = self._token_ids(prompt)
         else:
@@ -161,9 +203,17 @@ class InputProcessor:
         return self.tokenizer.decode(self._token_ids(token_ids))
 
     def _encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True, continued: bool = False
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        generation: bool = True,
+        continued: bool = False,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         chars = 0
+        if template_kwargs is not None:
+            chars += len(check_template_kwargs(template_kwargs, self.tokenizer.special_tokens_map))
+            self._check_chars(chars)
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise InvalidRequestError("tools must be a list of tool definitions", param="tools")
@@ -204,6 +254,7 @@ class InputProcessor:
             ids = self.tokenizer.apply_chat_template(
                 messages,
                 **({"tools": tools} if tools else {}),
+                **(template_kwargs or {}),
                 add_generation_prompt=generation,
                 continue_final_message=continued,
                 tokenize=True,
