@@ -10,6 +10,7 @@ drafted and accepted with each).
     python benchmarks/sampling_speed.py                                  # plain decoding, T=0.7, 1/8/32 streams
     python benchmarks/sampling_speed.py --method auto --temperature 1.0 --streams 8 --groups 6
     python benchmarks/sampling_speed.py --top-p 0.9 --streams 1 8        # rows cut to their top-p (torch sorts)
+    python benchmarks/sampling_speed.py --min-p 0.05 --top-k 40 --top-p 0.95 --streams 1 8   # llama.cpp's settings
     python benchmarks/sampling_speed.py --method eagle --top-p 0.9 --streams 1 8   # the head's sampled drafts' q
     python benchmarks/sampling_speed.py --rows 1 9 16 --top-p 0.9       # the distributions alone, no engine
     python benchmarks/sampling_speed.py --temperature 0 --streams 1 8    # greedy: the argmax kernel
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--groups", type=int, default=4, help="groups of conversations per stream count, the draws alternated")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -44,8 +46,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 <= args.temperature <= 2:
         raise SystemExit("--temperature must be in [0, 2] (0: greedy, the argmax kernel)")
-    if not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise SystemExit("--top-p must be in (0, 1] and --top-k at least 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
+        raise SystemExit("--top-p must be in (0, 1], --top-k at least 0 and --min-p in [0, 1]")
     if not 2 <= args.groups <= 20 or not all(1 <= s <= 64 for s in args.streams):
         raise SystemExit("--groups must be 2-20 and --streams 1-64")
     torch.set_num_threads(2)
@@ -60,10 +62,10 @@ def main() -> None:
     warm = 16
     # the compiled forward's shapes, the cost curve
     converse_pool(engine, chat[:warm], 8, SamplingParams(max_tokens=args.max_tokens, temperature=0))
-    print(f"{args.method}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, {args.max_tokens} tokens a turn; "
+    print(f"{args.method}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, min_p={args.min_p}, {args.max_tokens} tokens a turn; "
           f"CPU: {cpu_name()}; 2 threads")
     for streams in args.streams:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=1)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=1)
         totals = {"kernel": [0, 0.0, 0, 0], "torch": [0, 0.0, 0, 0]}
         at = warm
         for g in range(args.groups):
@@ -89,11 +91,11 @@ def distributions(args: argparse.Namespace) -> None:
     if not sampling.cpu_kernels.load():
         raise SystemExit("specstream's CPU kernels are not built here: nothing to compare")
     what = "argmax_rows" if args.temperature == 0 else "probabilities_for"
-    print(f"{what}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, 49152 tokens; CPU: {cpu_name()}; 2 threads")
+    print(f"{what}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, min_p={args.min_p}, 49152 tokens; CPU: {cpu_name()}; 2 threads")
     g = torch.Generator().manual_seed(0)
     for rows in args.rows:
         logits = torch.randn(rows, 49152, generator=g) * 3
-        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)] * rows
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)] * rows
         if args.temperature == 0:
             fns = (("kernel", lambda x, _: sampling.argmax_rows(x)), ("torch", lambda x, _: x.argmax(-1)))
         else:

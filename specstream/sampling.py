@@ -300,29 +300,15 @@ def probabilities(
 
 
 def probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
-    """probabilities() with each row's temperature/top-k/top-p taken from its SamplingParams: the distribution a
+    """probabilities() with each row's temperature/min-p/top-k/top-p taken from its SamplingParams: the distribution a
     sampled draft is drawn from (its q) and the rows verifying it (p). float32 rows on CPU take specstream's kernel
     where it is loaded (kernels/csrc/sample_rows.cpp's probability_rows: the distribution sampling.draw's kernel
     draws from, cut by a selection of the best tokens instead of a sort of the vocabulary, which for a row with
-    top-k or top-p cost more than the step's forward); others, and rows with min-p, which the kernel does not cut,
-    torch_probabilities_for. The two round differently, and order tied logits differently for top-k."""
+    top-k or top-p cost more than the step's forward); others torch_probabilities_for. The two round differently
+    (min-p's cut alike: the same float32 comparison), and order tied logits differently for top-k."""
     if not _kernel_serves(logits):
         return torch_probabilities_for(logits, row_params)
-    cut, rest = _min_p_rows(row_params)
-    if not cut:
-        return torch.ops.specstream.probability_rows(_unit_rows(logits), *_kernel_columns(row_params))
-    out = torch.empty_like(logits)
-    if rest:
-        out[rest] = torch.ops.specstream.probability_rows(logits[rest], *_kernel_columns([row_params[i] for i in rest]))
-    out[cut] = torch_probabilities_for(logits[cut], [row_params[i] for i in cut])
-    return out
-
-
-def _min_p_rows(row_params: list[SamplingParams]) -> tuple[list[int], list[int]]:
-    """The rows with min-p (torch's ops serve them) and the others (the kernels'), so that a row takes the same
-    path whatever the other rows of its step ask for."""
-    cut = [i for i, p in enumerate(row_params) if p.min_p > 0]
-    return cut, ([i for i in range(len(row_params)) if row_params[i].min_p <= 0] if cut else [])
+    return torch.ops.specstream.probability_rows(_unit_rows(logits), *_kernel_columns(row_params))
 
 
 def torch_probabilities_for(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
@@ -349,12 +335,13 @@ def _unit_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
-def _kernel_columns(row_params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' temperature (float32), top_k (int64) and top_p (float32), as the sampling kernels take them."""
+def _kernel_columns(row_params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
+    """The rows' temperature (float32), top_k (int64), top_p and min_p (float32), as the sampling kernels take them."""
     temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32)
-    return temperature, top_k, top_p
+    min_p = torch.tensor([p.min_p for p in row_params], dtype=torch.float32)
+    return temperature, top_k, top_p, min_p
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -383,16 +370,8 @@ def draw(logits: torch.Tensor, row_params: list[SamplingParams], uniforms: torch
     of the best tokens for top-k and top-p instead of a sort of the vocabulary, and no [R, V] tensor made); others
     torch_probabilities_for and sample_from. The kernel and the torch ops round differently (and order tied logits
     differently for top-k), so where both serve they draw the same token except where the uniform, or the mass
-    before a token against top_p, falls within rounding of a boundary. Rows with min-p take torch's ops."""
+    before a token against top_p, falls within rounding of a boundary."""
     if not _kernel_serves(logits):
         return sample_from(torch_probabilities_for(logits, row_params), uniforms)
-    cut, rest = _min_p_rows(row_params)
-    if not cut:
-        columns = _kernel_columns(row_params)
-        return torch.ops.specstream.sample_rows(_unit_rows(logits), *columns, uniforms.to(torch.float64))
-    out = torch.empty(len(row_params), dtype=torch.long)
-    if rest:
-        columns = _kernel_columns([row_params[i] for i in rest])
-        out[rest] = torch.ops.specstream.sample_rows(logits[rest], *columns, uniforms[rest].to(torch.float64))
-    out[cut] = sample_from(torch_probabilities_for(logits[cut], [row_params[i] for i in cut]), uniforms[cut])
-    return out
+    columns = _kernel_columns(row_params)
+    return torch.ops.specstream.sample_rows(_unit_rows(logits), *columns, uniforms.to(torch.float64))

@@ -10,7 +10,7 @@
 - `a8_linear`: 8-bit activations times GGUF blocks, summed as integers (csrc/a8_linear.cpp).
 - `rms_norm`: RMSNorm with one summation order per row, so that the eager forward and the compiled steps
   (which otherwise sum a row's squares in different orders) normalize a row to the same bits.
-- `sample_rows`: a token per row drawn from softmax(logits / temperature), cut to its top-k and top-p, with the
+- `sample_rows`: a token per row drawn from softmax(logits / temperature), cut to its min-p, top-k and top-p, with the
   row's uniform, in a few passes over the logits and no sort of the vocabulary (sampling.draw); and
   `probability_rows`, the same distributions whole (sampling.probabilities_for); `argmax_rows`, each row's
   argmax as torch.argmax gives it, in two vector passes (sampling.argmax_rows: greedy decoding and verification).
@@ -54,8 +54,8 @@ _lib.define("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int p
 _lib.define("a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int path=-1) -> Tensor")
 _lib.define("a8_quantize(Tensor x) -> (Tensor, Tensor)")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-_lib.define("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniforms) -> Tensor")
-_lib.define("probability_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p) -> Tensor")
+_lib.define("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniforms) -> Tensor")
+_lib.define("probability_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
 
 
@@ -85,12 +85,12 @@ def _rms_norm_shape(x, weight, eps):
 
 
 @torch.library.register_fake("specstream::sample_rows")
-def _sample_rows_shape(logits, temperature, top_k, top_p, uniforms):
+def _sample_rows_shape(logits, temperature, top_k, top_p, min_p, uniforms):
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 @torch.library.register_fake("specstream::probability_rows")
-def _probability_rows_shape(logits, temperature, top_k, top_p):
+def _probability_rows_shape(logits, temperature, top_k, top_p, min_p):
     return logits.new_empty(logits.shape)
 
 

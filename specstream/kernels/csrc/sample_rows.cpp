@@ -1,4 +1,4 @@
-// One token per row drawn from softmax(logits / temperature), cut to its top-k and top-p where the row asks, by
+// One token per row drawn from softmax(logits / temperature), cut to its min-p, top-k and top-p where the row asks, by
 // inverse CDF with the row's own uniform: what plain decoding and every one-hot verification of a sampled request
 // draw (sampling.draw, sample_rows). And the same distributions whole (probability_rows): what a sampled draft's q
 // and the rows verifying it take (sampling.probabilities_for), so that a round's p and q are cut the same way
@@ -14,6 +14,8 @@
 // Numbers, per row (each row on its own: its token never depends on the other rows of the call or on threads):
 //   y_j = x_j / t (float32, as torch divides), m = max_j y_j, e_j = exp(y_j - m) (float32, within 2 ulp: the
 //   vectorized exp_u20, faster than the exp torch's softmax takes);
+//   min-p (q > 0, vLLM's order: before top-k and top-p): e_j = 0 where y_j < m + log(q) (float32, as torch's
+//   sampling.probabilities compares), the tokens below q times the likeliest one's probability;
 //   top-k (k > 0): the k tokens of largest logit are kept (among equal logits the lower ids first; torch's sort
 //   breaks such ties its own way), the others' e_j set to 0; top-p (p < 1): the kept tokens in that order, each
 //   kept while the mass of those before it (float64, over the kept tokens' total) is below p, the first always;
@@ -98,8 +100,8 @@ void cut_row(const float* x, int64_t vocab, int64_t k, float p, float* e, std::v
   }
 }
 
-// Each token's mass e_j = exp(x_j / t - m), 0 for the tokens the row's top-k and top-p cut (see above).
-void masses_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float* e,
+// Each token's mass e_j = exp(x_j / t - m), 0 for the tokens the row's min-p, top-k and top-p cut (see above).
+void masses_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p, float* e,
                 std::vector<Candidate>& cand) {
   const int64_t body = vocab / Vec::size() * Vec::size();
   const Vec vt(temperature);
@@ -115,8 +117,18 @@ void masses_row(const float* x, int64_t vocab, float temperature, int64_t top_k,
     top = std::max(top, e[j]);
   }
   const Vec vtop(top);
-  for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) - vtop).exp_u20().store(e + j);
-  for (int64_t j = body; j < vocab; ++j) e[j] = std::exp(e[j] - top);
+  if (min_p > 0.f) {
+    const float floor = top + std::log(min_p);  // min_p 1: the likeliest tokens alone
+    const Vec vfloor(floor), zero(0.f);
+    for (int64_t j = 0; j < body; j += Vec::size()) {
+      const Vec y = Vec::loadu(e + j);
+      Vec::blendv((y - vtop).exp_u20(), zero, y < vfloor).store(e + j);
+    }
+    for (int64_t j = body; j < vocab; ++j) e[j] = e[j] < floor ? 0.f : std::exp(e[j] - top);
+  } else {
+    for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) - vtop).exp_u20().store(e + j);
+    for (int64_t j = body; j < vocab; ++j) e[j] = std::exp(e[j] - top);
+  }
   if ((top_k > 0 && top_k < vocab) || top_p < 1.f) cut_row(x, vocab, top_k, top_p, e, cand);
 }
 
@@ -137,9 +149,9 @@ double block_sums(const float* e, int64_t vocab, double* sums) {
   return total;
 }
 
-int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, double u, float* e,
-                 double* sums, std::vector<Candidate>& cand) {
-  masses_row(x, vocab, temperature, top_k, top_p, e, cand);
+int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p, double u,
+                 float* e, double* sums, std::vector<Candidate>& cand) {
+  masses_row(x, vocab, temperature, top_k, top_p, min_p, e, cand);
   const int64_t blocks = (vocab + kBlock - 1) / kBlock;
   const double total = block_sums(e, vocab, sums);
   const double target = u * total;
@@ -164,9 +176,9 @@ int64_t draw_row(const float* x, int64_t vocab, float temperature, int64_t top_k
 }
 
 // The checks both ops make of their arguments: float32 logits [rows, vocab] with a unit last stride, [rows]
-// temperature (float32, > 0), top_k (int64, 0: none) and top_p (float32, 1: none).
+// temperature (float32, > 0), top_k (int64, 0: none), top_p (float32, 1: none) and min_p (float32, 0: none).
 void check_rows(const char* op, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                const at::Tensor& top_p) {
+                const at::Tensor& top_p, const at::Tensor& min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat, op,
               ": float32 logits [rows, vocab] with a unit last stride");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
@@ -174,19 +186,23 @@ void check_rows(const char* op, const at::Tensor& logits, const at::Tensor& temp
   const auto per_row = [rows](const at::Tensor& t, at::ScalarType type) {
     return t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type;
   };
-  TORCH_CHECK(per_row(temperature, at::kFloat) && per_row(top_k, at::kLong) && per_row(top_p, at::kFloat), op,
-              ": [rows] temperature (float32), top_k (int64) and top_p (float32)");
+  TORCH_CHECK(per_row(temperature, at::kFloat) && per_row(top_k, at::kLong) && per_row(top_p, at::kFloat) &&
+                  per_row(min_p, at::kFloat),
+              op, ": [rows] temperature (float32), top_k (int64), top_p and min_p (float32)");
 }
 
 // logits [rows, vocab] float32 (unit last stride), temperature [rows] float32 (> 0), top_k [rows] int64 (0: none),
-// top_p [rows] float32 (1: none), uniforms [rows] float64 in [0, 1). Returns [rows] int64.
+// top_p [rows] float32 (1: none), min_p [rows] float32 (0: none), uniforms [rows] float64 in [0, 1). Returns [rows]
+// int64.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                       const at::Tensor& top_p, const at::Tensor& uniforms) {
-  check_rows("sample_rows", logits, temperature, top_k, top_p);
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms) {
+  check_rows("sample_rows", logits, temperature, top_k, top_p, min_p);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows && uniforms.scalar_type() == at::kDouble,
               "sample_rows: [rows] uniforms (float64)");
   const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(), u = uniforms.contiguous();
+  const at::Tensor q = min_p.contiguous();
+  const float* qp = q.data_ptr<float>();
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   const float* tp = t.data_ptr<float>();
@@ -205,19 +221,20 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
     if (static_cast<int64_t>(e.size()) < vocab) e.resize(vocab);
     if (static_cast<int64_t>(sums.size()) < (vocab + kBlock - 1) / kBlock) sums.resize((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r)
-      op[r] = draw_row(x + r * stride, vocab, tp[r], kp[r], pp[r], up[r], e.data(), sums.data(), cand);
+      op[r] = draw_row(x + r * stride, vocab, tp[r], kp[r], pp[r], qp[r], up[r], e.data(), sums.data(), cand);
   });
   return out;
 }
 
-// The rows' distributions: softmax(logits / temperature) cut to each row's top-k and top-p, as sample_rows draws
+// The rows' distributions: softmax(logits / temperature) cut to each row's min-p, top-k and top-p, as sample_rows draws
 // from (the masses over their block sums' total, each mass then scaled by the total's float32 reciprocal). Same
 // arguments as sample_rows, without the uniforms; returns [rows, vocab] float32.
 at::Tensor probability_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                            const at::Tensor& top_p) {
-  check_rows("probability_rows", logits, temperature, top_k, top_p);
+                            const at::Tensor& top_p, const at::Tensor& min_p) {
+  check_rows("probability_rows", logits, temperature, top_k, top_p, min_p);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous();
+  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(), q = min_p.contiguous();
+  const float* qp = q.data_ptr<float>();
   at::Tensor out = at::empty({rows, vocab}, logits.options());
   const float* x = logits.data_ptr<float>();
   const float* tp = t.data_ptr<float>();
@@ -231,7 +248,7 @@ at::Tensor probability_rows(const at::Tensor& logits, const at::Tensor& temperat
     if (static_cast<int64_t>(sums.size()) < (vocab + kBlock - 1) / kBlock) sums.resize((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r) {
       float* e = op + r * vocab;
-      masses_row(x + r * stride, vocab, tp[r], kp[r], pp[r], e, cand);
+      masses_row(x + r * stride, vocab, tp[r], kp[r], pp[r], qp[r], e, cand);
       const float scale = static_cast<float>(1.0 / block_sums(e, vocab, sums.data()));
       const int64_t body = vocab / Vec::size() * Vec::size();
       for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) * Vec(scale)).store(e + j);
