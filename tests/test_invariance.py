@@ -122,17 +122,20 @@ def engine(model_dir, dtype, method="off", k=6, **kw):
     return Engine(EngineConfig(model=str(model_dir), dtype=dtype, deterministic=True, speculative=spec, **kw), log=False)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_greedy_tokens_equal_with_drafts_and_in_any_batch(tiny_model_dir, dtype):
-    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    plain = engine(tiny_model_dir, dtype)
-    spec = engine(tiny_model_dir, dtype, "ngram")
+def check_greedy_tokens_equal(plain, spec, max_tokens):
+    """Greedy: plain decoding batched, and speculation alone and batched, give plain decoding's tokens alone."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     alone = [plain.generate(p, greedy)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in plain.generate(PROMPTS, greedy)] == alone
     assert [spec.generate(p, greedy)[0].token_ids for p in PROMPTS] == alone
     assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == alone
     # The drafts were real: some were accepted, so the tokens above came from verified runs.
     assert spec.metrics.num_accepted_tokens._value.get() > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_tokens_equal_with_drafts_and_in_any_batch(tiny_model_dir, dtype):
+    check_greedy_tokens_equal(engine(tiny_model_dir, dtype), engine(tiny_model_dir, dtype, "ngram"), 48)
 
 
 def test_seeded_sampling_equal_with_and_without_drafts_bf16(tiny_model_dir):
@@ -192,15 +195,10 @@ def test_invariant_mode_attends_through_the_kernel_untiled_where_it_pairs_bfloat
     assert plain.runner.tile == 0 and plain.runner.fast.tile == 0 and plain.runner.tiling == "rows alone"
     assert plain.runner.fast.math.attention_kernel
     check_logits_do_not_depend_on_the_step(plain.runner)
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     spec = engine(wide_heads_model_dir, "bfloat16", "ngram", quantization="int4")
     # Drafts as chains: a tree row's keys sit elsewhere in its step, and attention sums keys grouped by place.
     assert spec.proposer.trees is False
-    alone = [plain.generate(p, greedy)[0].token_ids for p in PROMPTS]
-    assert [o.token_ids for o in plain.generate(PROMPTS, greedy)] == alone
-    assert [spec.generate(p, greedy)[0].token_ids for p in PROMPTS] == alone
-    assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == alone
-    assert spec.metrics.num_accepted_tokens._value.get() > 0
+    check_greedy_tokens_equal(plain, spec, 40)
 
 
 def test_invariant_mode_keeps_its_tiles_where_a_dense_gemm_serves(tiny_model_dir):

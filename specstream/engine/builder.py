@@ -112,9 +112,7 @@ class EngineBuilder:
         background = config.compile_in_background and config.compile and not runner.tile
         forward = "eager (compiling in the background)" if background else self.compile(runner)
         resident.mark("compile")
-        # Tree masks are built for full-context layers. Invariant mode verifies chains: a tree row's keys sit at other
-        # places in its step than the same path's as a chain (its siblings masked between them), and attention's
-        # sums group keys by place, so a tree row rounds apart from the same token decoded.
+        # trees: full-context layers only (their masks); chains in invariant mode (EngineConfig.deterministic says why)
         trees = spec.tree_drafts and not pool.windowed and not config.deterministic
         ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions, trees)
         proposer = make_proposer(ctx)
