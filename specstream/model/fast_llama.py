@@ -257,7 +257,7 @@ class FastLlama:
         if self.tile or not cpu_kernels.attention_pairs(self.embed.dtype, self.math.head_dim):
             return False
         self.math = replace(self.math, attention_kernel=True)
-        self.prefill_keys = 1 << 62
+        self.routes_settled()  # where the kernel pairs bfloat16, every prefill chunk takes it
         return True
 
     def routes_settled(self) -> None:
