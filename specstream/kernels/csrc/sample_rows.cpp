@@ -116,19 +116,14 @@ void masses_row(const float* x, int64_t vocab, float temperature, int64_t top_k,
     e[j] = x[j] / temperature;
     top = std::max(top, e[j]);
   }
-  const Vec vtop(top);
-  if (min_p > 0.f) {
-    const float floor = top + std::log(min_p);  // min_p 1: the likeliest tokens alone
-    const Vec vfloor(floor), zero(0.f);
-    for (int64_t j = 0; j < body; j += Vec::size()) {
-      const Vec y = Vec::loadu(e + j);
-      Vec::blendv((y - vtop).exp_u20(), zero, y < vfloor).store(e + j);
-    }
-    for (int64_t j = body; j < vocab; ++j) e[j] = e[j] < floor ? 0.f : std::exp(e[j] - top);
-  } else {
-    for (int64_t j = 0; j < body; j += Vec::size()) (Vec::loadu(e + j) - vtop).exp_u20().store(e + j);
-    for (int64_t j = body; j < vocab; ++j) e[j] = std::exp(e[j] - top);
+  // min_p 0 cuts nothing: a floor of -inf. min_p 1 keeps the likeliest tokens alone.
+  const float floor = min_p > 0.f ? top + std::log(min_p) : -std::numeric_limits<float>::infinity();
+  const Vec vtop(top), vfloor(floor), zero(0.f);
+  for (int64_t j = 0; j < body; j += Vec::size()) {
+    const Vec y = Vec::loadu(e + j);
+    Vec::blendv((y - vtop).exp_u20(), zero, y < vfloor).store(e + j);
   }
+  for (int64_t j = body; j < vocab; ++j) e[j] = e[j] < floor ? 0.f : std::exp(e[j] - top);
   if ((top_k > 0 && top_k < vocab) || top_p < 1.f) cut_row(x, vocab, top_k, top_p, e, cand);
 }
 
