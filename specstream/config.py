@@ -103,9 +103,10 @@ class EngineConfig:
     the same tokens with or without drafts and alone or in any batch, in bf16 too. Where a kernel's
     rounding follows the step's shape (dense weights, torch's attention) it costs the padding of every
     step to fixed tiles; over specstream's block kernels (a GGUF file's weights on CPU) little or
-    none. Drafts are verified as chains, not trees: a tree row's keys sit at other places in its step
-    than the same path's as a chain (siblings masked between them), and attention sums keys grouped by
-    place, so a tree row could round apart from the same token decoded. Needs the lean Llama forward.
+    none. A tree row's keys sit at other places in its step than the same path's as a chain (siblings
+    masked between them), and attention sums keys grouped by place: drafts are verified as trees only
+    where attention drops its tiles (its kernel then lays such a row's keys side by side, as a chain
+    has them), else as chains. Needs the lean Llama forward.
     compile: torch.compile the lean forward's decode and verification steps (model/fast_llama.py), traced at
     start-up and cached on disk by inductor. On by default; the environment variable
     SPECSTREAM_COMPILE=0 turns the default off (the test suite does, to start engines fast). Ignored

@@ -3,6 +3,7 @@ step's attention gives, for every layout a step can have, and a machine that can
 keeps the torch version."""
 
 import logging
+import random
 import shutil
 from pathlib import Path
 
@@ -200,3 +201,59 @@ def test_a_damaged_kernel_library_is_built_again_never_loaded(monkeypatch, tmp_p
     assert "does not match its digest: building it again" in caplog.text
     (first.parent / "specstream_kernels.so.sha256").unlink()  # a library whose build recorded no digest
     assert cpu_kernels._build() == first and len(builds) == 3
+
+
+def _tree_step(gen, rnd, keys, heads):
+    """A random step of three draft trees over random cached contexts: (query, kv_index, mask, q_index,
+    out_index, path_of), path_of giving each query row's sequence and its path (step places, root first)."""
+    cached = rnd.randint(1, 300)
+    trees = [[-1] + [rnd.randrange(-1, t) for t in range(1, rnd.randint(2, 16))] for _ in range(3)]  # parents
+    s_max, t_max = cached + max(map(len, trees)), max(map(len, trees))
+    kv_index = torch.randperm(keys.shape[0], generator=gen)[: len(trees) * s_max].view(len(trees), s_max)
+    mask = torch.zeros(len(trees), 1, t_max, s_max, dtype=torch.bool)
+    q_index = torch.zeros(len(trees), t_max, dtype=torch.long)
+    out_index, path_of = [], []
+    for b, parents in enumerate(trees):
+        for t in range(len(parents)):
+            path = [t]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path = [cached + a for a in path[::-1]]
+            mask[b, 0, t, :cached] = True
+            mask[b, 0, t, path] = True
+            q_index[b, t] = len(out_index)
+            out_index.append(b * t_max + t)
+            path_of.append((b, cached, path))
+    query = (torch.randn(len(out_index), heads, keys.shape[2], generator=gen) * 3).bfloat16()
+    return query, kv_index, mask, q_index, torch.tensor(out_index), path_of
+
+
+def test_a_tree_row_gets_the_bits_of_its_path_verified_as_a_chain(kernels):
+    """A draft tree's row sees its sequence's cached keys and its ancestors, their siblings hidden between them. Where
+    the kernel multiplies bfloat16 pairs (cpu.attention_pairs: the attention `--deterministic` drops its tiles for),
+    it attends such a row over the keys it sees laid side by side: the row's output is bit for bit what the same path
+    gets verified as a chain (and so decoded), beside chain rows and other trees in one pass, and it is attention
+    (the torch version's, to bfloat16's precision). In place, the hidden keys shift the later ones to other lanes of
+    the sums, and about one row in a thousand here rounded apart."""
+    if not cpu_kernels.attention_pairs(torch.bfloat16, 64):
+        pytest.skip("this CPU attends bfloat16 on AMX tiles or without VDPBF16PS: its tree rows are not laid side by side")
+    gen, rnd = torch.Generator().manual_seed(11), random.Random(0)
+    heads, kv_heads, d = 9, 3, 64
+    keys = torch.randn(SLOTS, kv_heads, d, generator=gen).bfloat16()
+    values = torch.randn(SLOTS, kv_heads, d, generator=gen).bfloat16()
+    none, one = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    rows = 0
+    for step in range(120):
+        query, kv_index, mask, q_index, out_index, path_of = _tree_step(gen, rnd, keys, heads)
+        got = torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+        if step < 3:
+            empty = torch.empty(0, dtype=torch.long)
+            want = attend_short(keys.float(), values.float(), empty, query.float(), keys[:0].float(), values[:0].float(),
+                                kv_index, mask, q_index, out_index, 0.125, kernel=False)
+            torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+        for i, (b, cached, path) in enumerate(path_of):
+            chain = torch.cat([kv_index[b, :cached], kv_index[b, path]])[None]  # the cached keys, then the path's
+            alone = torch.ops.specstream.short_attention(query[i : i + 1], keys, values, chain, None, none, one, 0.125)
+            assert torch.equal(alone[0], got[i]), (step, b, path)
+            rows += 1
+    assert rows > 2000

@@ -188,7 +188,7 @@ def wide_heads_model_dir(tmp_path_factory):
 def test_invariant_mode_attends_through_the_kernel_untiled_where_it_pairs_bfloat16(wide_heads_model_dir):
     """Where the attention kernel multiplies bfloat16 pairs (AVX512-BF16 without AMX) it attends every group,
     prefill chunks of any length included, computing a query row alone: invariant mode then drops attention's
-    tiles too, and greedy speculation and batching still give plain decoding's tokens."""
+    tiles too, and greedy speculation (drafts verified as trees) and batching still give plain decoding's tokens."""
     if not cpu_kernels.load() or not cpu_kernels.attention_pairs(torch.bfloat16, 64):
         pytest.skip("the attention kernel's bfloat16 pairs need AVX512-BF16 without AMX (a CPU feature this one lacks)")
     plain = engine(wide_heads_model_dir, "bfloat16", quantization="int4")
@@ -196,9 +196,18 @@ def test_invariant_mode_attends_through_the_kernel_untiled_where_it_pairs_bfloat
     assert plain.runner.fast.math.attention_kernel
     check_logits_do_not_depend_on_the_step(plain.runner)
     spec = engine(wide_heads_model_dir, "bfloat16", "ngram", quantization="int4")
-    # Drafts as chains: a tree row's keys sit elsewhere in its step, and attention sums keys grouped by place.
-    assert spec.proposer.trees is False
+    # Drafts as trees: the kernel attends a tree row over the keys it sees laid side by side, as the same path's
+    # chain has them (tests/test_cpu_kernels.py checks the bits), so a tree's rows round as its path decoded.
+    assert spec.proposer.trees is True
+    forward, trees = spec.runner.forward, []
+
+    def counting(items, *args, **kwargs):
+        trees.extend(item.parents for item in items if item.parents and len(set(item.parents)) < len(item.parents))
+        return forward(items, *args, **kwargs)
+
+    spec.runner.forward = counting
     check_greedy_tokens_equal(plain, spec, 40)
+    assert trees, "some step should verify a tree that branches (a token of two children)"
 
 
 def test_invariant_mode_keeps_its_tiles_where_a_dense_gemm_serves(tiny_model_dir):

@@ -112,8 +112,9 @@ class EngineBuilder:
         background = config.compile_in_background and config.compile and not runner.tile
         forward = "eager (compiling in the background)" if background else self.compile(runner)
         resident.mark("compile")
-        # trees: full-context layers only (their masks); chains in invariant mode (EngineConfig.deterministic says why)
-        trees = spec.tree_drafts and not pool.windowed and not config.deterministic
+        # trees: full-context layers only (their masks); in invariant mode only where attention is untiled (its kernel
+        # lays a tree row's keys side by side: EngineConfig.deterministic says why)
+        trees = spec.tree_drafts and not pool.windowed and (not config.deterministic or runner.tile == 0)
         ctx = ProposerContext(config, model, tokenizer, vocab_size, self.dtype, self.device, pool_positions, trees)
         proposer = make_proposer(ctx)
         resident.mark("proposer")

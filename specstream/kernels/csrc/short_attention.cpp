@@ -247,6 +247,22 @@ inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int6
   return out;
 }
 
+// Where a query's mask shows keys that are not one run (a draft tree's row: its ancestors, their siblings hidden
+// between them), the indices of the keys it shows, in order, into vis, and their count; else -1 (a decode or chain
+// row shows its first keys, a windowed row one run of them: nothing to compact).
+inline int64_t scattered_keys(const bool* m_row, int64_t m_stride, int64_t s_max, int32_t* vis) {
+  if (!m_row) return -1;
+  int64_t n = 0, runs = 0;
+  bool before = false;
+  for (int64_t s = 0; s < s_max; ++s) {
+    const bool shown = m_row[s * m_stride];
+    runs += shown && !before;
+    before = shown;
+    if (shown) vis[n++] = static_cast<int32_t>(s);
+  }
+  return runs > 1 ? n : -1;
+}
+
 constexpr int64_t kChunk = 4;   // most queries that share one pass over the keys and values
 
 // A thread's buffers for attend_queries.
@@ -374,6 +390,58 @@ struct PairCache {
   std::vector<uint32_t> room;
 };
 
+// A thread's buffers for attend_scattered, sized for s_pad keys.
+struct Compact {
+  void size(int64_t s_pad) {
+    keys_room.resize(s_pad);
+    scores_room.resize(s_pad + 16);
+    keys = keys_room.data();
+    scores = scores_room.data();
+  }
+  int32_t* keys = nullptr;  // the indices of the keys a query sees
+  float* scores = nullptr;  // their scores side by side, then their probabilities
+
+ private:
+  std::vector<int32_t> keys_room;
+  std::vector<float> scores_room;
+};
+
+// One query whose mask shows keys that are not one run (a draft tree's row; scattered_keys put the n it sees in
+// compact.keys), from its scaled scores sc (by key, before masking), over those keys laid side by side. Each then
+// has the place it has when the same path is verified as a chain or decoded: it lands in the same lane of the
+// softmax's sum and in the same pair of the sum over values, and the row gets the chain's bits (README: the same
+// tokens in any batch). In place, the hidden keys between them would shift the later ones. A key the shared pass
+// counts as hidden adds an exact zero there, so a chain row would get these bits too.
+inline void attend_scattered(const float* sc, int64_t n, Compact& compact, const c10::BFloat16* v_base, int64_t v_stride,
+                             const int64_t* slots, c10::BFloat16* o_row) {
+  const int32_t* keys = compact.keys;
+  float* dense = compact.scores;
+  for (int64_t c = 0; c < n; ++c) dense[c] = sc[keys[c]];
+  softmax_rounded<c10::BFloat16>(dense, n, row_max(dense, n));  // past n: zeros
+  __m512 part[4];
+  for (int64_t q = 0; q < 4; ++q) part[q] = _mm512_setzero_ps();
+  const __m512i none = _mm512_setzero_si512();
+  for (int64_t c = 0; c < n; c += 2) {
+    const c10::BFloat16* a_row = v_base + slots[keys[c]] * v_stride;
+    const c10::BFloat16* b_row = c + 1 < n ? v_base + slots[keys[c + 1]] * v_stride : nullptr;
+    __m512bh pair[4];
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i a = _mm512_loadu_si512(a_row + 32 * h), b = b_row ? _mm512_loadu_si512(b_row + 32 * h) : none;
+      pair[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      pair[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    // the two probabilities' bfloat16 bits (softmax_rounded rounded them: the upper half of each float's bits)
+    uint32_t lo, hi;
+    std::memcpy(&lo, dense + c, sizeof(lo));
+    std::memcpy(&hi, dense + c + 1, sizeof(hi));
+    const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(lo >> 16 | (hi >> 16) << 16));
+    for (int64_t q = 0; q < 4; ++q) part[q] = _mm512_dpbf16_ps(part[q], p, pair[q]);
+  }
+  alignas(64) float lanes[64];
+  for (int64_t q = 0; q < 4; ++q) _mm512_store_ps(lanes + q * 16, part[q]);
+  store_pair_sums<c10::BFloat16>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_row);
+}
+
 // Up to kChunk queries of one sequence and one key/value head against its PairCache (keys) and the pool (values,
 // two keys at a time interleaved into pairs, which a query's two probabilities, already bfloat16, multiply as one
 // broadcast pair). A query's scores are four chains of eight products (pairs p = c mod 4) added as (c0 + c1) +
@@ -384,7 +452,7 @@ template <int64_t NQ>
 void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
                   const PairCache& cache, const c10::BFloat16* v_base, int64_t v_stride, const int64_t* slots,
                   int64_t m_stride, int64_t s_max, int64_t s_pad, float scale, float* scores, uint16_t* probs,
-                  bool* seen_by) {
+                  bool* seen_by, Compact& compact) {
   const __m512 vscale = _mm512_set1_ps(scale);
   const uint32_t* q[NQ];
   for (int64_t j = 0; j < NQ; ++j) q[j] = reinterpret_cast<const uint32_t*>(q_rows[j]);
@@ -417,8 +485,12 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
   }
   // masked keys at -inf, each query's softmax (probabilities rounded to bfloat16, zeros past s_max), and its
   // probabilities as bfloat16 bits (exact: the upper half of each float's bits)
+  bool scattered[NQ];
   for (int64_t j = 0; j < NQ; ++j) {
     float* sc = scores + j * s_pad;
+    const int64_t n = scattered_keys(m_rows[j], m_stride, s_max, compact.keys);
+    scattered[j] = n >= 0;
+    if (scattered[j]) attend_scattered(sc, n, compact, v_base, v_stride, slots, o_rows[j]);
     hide_masked(sc, m_rows[j], m_stride, s_max);
     softmax_rounded<c10::BFloat16>(sc, s_max, row_max(sc, s_max));
     for (int64_t s = 0; s < s_pad; s += 16) {
@@ -456,6 +528,7 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
     }
   }
   for (int64_t j = 0; j < NQ; ++j) {
+    if (scattered[j]) continue;  // attend_scattered's
     alignas(64) float lanes[64];
     for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(lanes + c * 16, acc[j][c]);
     store_pair_sums<c10::BFloat16>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_rows[j]);
@@ -793,17 +866,20 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
             thread_local std::vector<float> scores;
             thread_local std::vector<uint16_t> probs;
+            thread_local Compact compact;
             cache.b = -1;
             scores.resize(kChunk * s_pad);
             probs.resize(kChunk * s_pad);
-            return std::make_tuple(&cache, scores.data(), probs.data(), std::unique_ptr<bool[]>(new bool[s_pad]));
+            compact.size(s_pad);
+            return std::make_tuple(&cache, scores.data(), probs.data(), std::unique_ptr<bool[]>(new bool[s_pad]), &compact);
           },
           [&](auto& kept, auto nq, const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
-            auto& [cache, scores, probs, seen] = kept;
+            auto& [cache, scores, probs, seen, compact] = kept;
             if (cache->b != it.b || cache->g != it.g)
               cache->fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, seen_of[it.b]);
             attend_pairs<decltype(nq)::value>(q_rows, m_rows, o_rows, *cache, v_ptr + it.g * vs1, vs0,
-                                              kv_ptr + it.b * s_max, ms3, s_max, s_pad, scale, scores, probs, seen.get());
+                                              kv_ptr + it.b * s_max, ms3, s_max, s_pad, scale, scores, probs, seen.get(),
+                                              *compact);
           });
       return;
     }
