@@ -119,9 +119,9 @@ def _add_engine_flags(a, engine: EngineConfig) -> None:
         "--deterministic",
         action="store_true",
         default=_env("deterministic", "") in ("1", "true"),
-        help="batch- and speculation-invariant numerics: the same tokens whatever the batch and drafts, drafts "
-        "verified as chains; about free where the kernels compute a row alone (a GGUF model on a CPU with "
-        "AVX512-BF16 and no AMX), slower elsewhere (attention, or the whole step, in padded tiles)",
+        help="batch- and speculation-invariant numerics: the same tokens whatever the batch and drafts; about free "
+        "where the kernels compute a row alone (a GGUF model on a CPU with AVX512-BF16 and no AMX), slower "
+        "elsewhere (attention, or the whole step, in padded tiles, drafts verified as chains)",
     )
     a(
         "--no-compile",
