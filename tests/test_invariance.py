@@ -80,6 +80,28 @@ def check_logits_do_not_depend_on_the_step(runner):
         assert torch.equal(got, alone), name
 
 
+def check_tree_rows_round_as_their_path(runner):
+    """A draft tree verified in one step (a's next tokens on one path, random siblings beside it, the path's rows
+    between them) gives the path's rows the bits the same tokens get decoded one by one."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(3, 300, (30,), generator=g).tolist()
+    alone = run_schedule(runner, [a], alone_schedule(20, 30))[0]
+    other = torch.randint(3, 300, (6,), generator=g).tolist()
+    #          root   path   sib    path   sib    sib    path   sib    path
+    tokens = [a[19], a[20], other[0], a[21], other[1], other[2], a[22], other[3], a[23]]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 6]
+    on_path = [0, 1, 3, 6, 8]
+    table = []
+    assert runner.pool.reserve(table, 19 + len(tokens))
+    try:
+        run = [ForwardItem(table, 0, a[:19], 1), ForwardItem(table, 19, tokens, len(tokens), parents)]
+        runner.forward(run[:1])
+        logits = runner.forward(run[1:])
+    finally:
+        runner.pool.free(table)
+    assert torch.equal(logits[on_path], alone[19:24])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 def test_single_projection_rows_are_batch_invariant(dtype):
     """The tiled projection: a row's output is the same bits in a call of 1, 9 or 75 rows, on a
@@ -199,6 +221,7 @@ def test_invariant_mode_attends_through_the_kernel_untiled_where_it_pairs_bfloat
     # Drafts as trees: the kernel attends a tree row over the keys it sees laid side by side, as the same path's
     # chain has them (tests/test_cpu_kernels.py checks the bits), so a tree's rows round as its path decoded.
     assert spec.proposer.trees is True
+    check_tree_rows_round_as_their_path(plain.runner)
     forward, trees = spec.runner.forward, []
 
     def counting(items, *args, **kwargs):
