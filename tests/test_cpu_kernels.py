@@ -160,7 +160,7 @@ def test_short_attention_refuses_what_it_cannot_serve(kernels):
         q64 = torch.randn(1, 4, 64)
         kv64 = torch.randn(16, 2, 64, dtype=torch.bfloat16)
         torch.ops.specstream.short_attention(q64, kv64, kv64, index, None, index, index[0], 0.1)
-    with pytest.raises(RuntimeError, match="path -1, 0 or 1"):
+    with pytest.raises(RuntimeError, match="path -2, -1, 0 or 1"):
         torch.ops.specstream.short_attention(q64, q64, q64, index, None, index, index[0], 0.1, 2)
     if TILES in torch.ops.specstream.short_attention_paths():
         with pytest.raises(RuntimeError, match="AMX path needs bfloat16"):
@@ -231,10 +231,11 @@ def _tree_step(gen, rnd, keys, heads):
 def test_a_tree_row_gets_the_bits_of_its_path_verified_as_a_chain(kernels):
     """A draft tree's row sees its sequence's cached keys and its ancestors, their siblings hidden between them. Where
     the kernel multiplies bfloat16 pairs (cpu.attention_pairs: the attention `--deterministic` drops its tiles for),
-    it attends such a row over the keys it sees laid side by side: the row's output is bit for bit what the same path
-    gets verified as a chain (and so decoded), beside chain rows and other trees in one pass, and it is attention
-    (the torch version's, to bfloat16's precision). In place, the hidden keys shift the later ones to other lanes of
-    the sums, and about one row in a thousand here rounded apart."""
+    asked to (cpu.ATTENTION_TREES_ALONE: invariant mode's and a8's path), it attends such a row over the keys it sees
+    laid side by side: the row's output is bit for bit what the same path gets verified as a chain (and so decoded),
+    beside chain rows and other trees in one pass. Either way it is attention (the torch version's, to bfloat16's
+    precision). In place, the hidden keys shift the later ones to other lanes of the sums, and about one row in a
+    thousand here rounded apart."""
     if not cpu_kernels.attention_pairs(torch.bfloat16, 64):
         pytest.skip("this CPU attends bfloat16 on AMX tiles or without VDPBF16PS: its tree rows are not laid side by side")
     gen, rnd = torch.Generator().manual_seed(11), random.Random(0)
@@ -245,12 +246,15 @@ def test_a_tree_row_gets_the_bits_of_its_path_verified_as_a_chain(kernels):
     rows = 0
     for step in range(120):
         query, kv_index, mask, q_index, out_index, path_of = _tree_step(gen, rnd, keys, heads)
-        got = torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+        args = (query, keys, values, kv_index, mask, q_index, out_index, 0.125)
+        got = torch.ops.specstream.short_attention(*args, cpu_kernels.ATTENTION_TREES_ALONE)
         if step < 3:
             empty = torch.empty(0, dtype=torch.long)
             want = attend_short(keys.float(), values.float(), empty, query.float(), keys[:0].float(), values[:0].float(),
                                 kv_index, mask, q_index, out_index, 0.125, kernel=False)
             torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+            in_place = torch.ops.specstream.short_attention(*args)
+            torch.testing.assert_close(in_place.float(), want, atol=1e-2, rtol=1e-2)
         for i, (b, cached, path) in enumerate(path_of):
             chain = torch.cat([kv_index[b, :cached], kv_index[b, path]])[None]  # the cached keys, then the path's
             alone = torch.ops.specstream.short_attention(query[i : i + 1], keys, values, chain, None, none, one, 0.125)

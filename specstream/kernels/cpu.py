@@ -44,6 +44,10 @@ log = logging.getLogger("specstream.kernels.cpu")
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("short_attention.cpp", "q8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp", "rms_norm.cpp", "sample_rows.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
 
+# short_attention's path argument that asks a tree row to be attended over the keys it sees laid side by side, so
+# that it gets the bits of its path verified as a chain (csrc/short_attention.cpp: kTreesAlone)
+ATTENTION_TREES_ALONE = -2
+
 _lib = torch.library.Library("specstream", "DEF")
 _lib.define(
     "short_attention(Tensor query, Tensor keys, Tensor values, Tensor kv_index, Tensor? mask, Tensor q_index, "

@@ -181,12 +181,14 @@ def attend(
     sinks: torch.Tensor | None = None,
     kernel: bool = False,
     prefill_keys: int = 0,
+    kernel_path: int = -1,
 ) -> torch.Tensor:
     """Write the step's keys/values ([T, kv_heads, d]) into the pool, then attend the queries
     ([1, heads, T, d]) to each sequence's cached prefix (its last `window` keys for a
     sliding-window layer). Returns [1, heads, T, d]. kernel: groups of short query runs attend with
     specstream's CPU kernel (loaded by the caller), as the compiled steps do; so do prefill groups over at most
-    prefill_keys keys."""
+    prefill_keys keys. kernel_path: the kernel's path argument (cpu.ATTENTION_TREES_ALONE where a tree row must
+    round as its path verified as a chain)."""
     pool = ctx.pool
     if ctx.windows is not None:
         ctx.windows[layer] = window
@@ -201,7 +203,7 @@ def attend(
     slot_mapping = ctx.slot_mappings[kv_group]
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
-    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys)
+    args = (query[0], keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys, kernel_path)
     if len(ctx.groups) == 1:
         return _attend_group(ctx, ctx.groups[0], *args).unsqueeze(0)
     out = query.new_empty(query.shape[1:])
@@ -212,7 +214,8 @@ def attend(
 
 
 def _attend_group(
-    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys
+    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys,
+    kernel_path,
 ):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
@@ -222,7 +225,7 @@ def _attend_group(
     ):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = torch.ops.specstream.short_attention(
-            query.transpose(0, 1), keys, values, view.kv_index, view.mask, group.q_index, group.out_index, scale
+            query.transpose(0, 1), keys, values, view.kv_index, view.mask, group.q_index, group.out_index, scale, kernel_path
         )
         return out.transpose(0, 1)
     batch, s = view.kv_index.shape
@@ -284,16 +287,19 @@ def attend_short(
     out_index: torch.Tensor,
     scaling: float,
     kernel: bool = False,
+    kernel_path: int = -1,
 ) -> torch.Tensor:
     """attend() for a step of one group of short query runs (decoding, verification) over full-context
     layers, as a function of tensors alone, so torch.compile can fuse it into a layer (fast_llama.py):
     write the step's keys/values ([T, kv_heads, d]) into the pool's layer tensors, attend the query rows
     ([T, heads, d]); returns [n, heads, d]. kernel: with specstream's CPU kernel, read straight from the
-    pool (kernels/cpu.py); else gathered, with explicit_attention."""
+    pool (kernels/cpu.py), kernel_path its path argument; else gathered, with explicit_attention."""
     keys.index_copy_(0, slot_mapping, key)
     values.index_copy_(0, slot_mapping, value)
     if kernel:
-        return torch.ops.specstream.short_attention(query, keys, values, kv_index, mask, q_index, out_index, scaling)
+        return torch.ops.specstream.short_attention(
+            query, keys, values, kv_index, mask, q_index, out_index, scaling, kernel_path
+        )
     k, v = gather_keys(keys, values, kv_index)
     out = explicit_attention(gather_queries(query.transpose(0, 1), q_index), k, v, mask, scaling, None, None)
     return scatter_rows(out, out_index).transpose(0, 1)

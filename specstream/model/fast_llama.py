@@ -101,6 +101,9 @@ class LayerMath:
     # Short query runs attend with specstream's CPU kernel (kernels/cpu.py) rather than torch's ops, in the
     # compiled steps and the eager forward alike (attention.SHORT_RUN).
     attention_kernel: bool = False
+    # The kernel's path argument: -1, or cpu.ATTENTION_TREES_ALONE where a tree row must get the bits of its path
+    # verified as a chain (invariant mode untiled, a8): the kernel then lays such a row's keys side by side.
+    attention_path: int = -1
     # Norms run specstream's rms_norm kernel (one summation order, eager and compiled alike) rather than
     # torch's ops, whose eager and generated reductions order a row's sum differently.
     norm_kernel: bool = False
@@ -165,7 +168,8 @@ class LayerMath:
         n = x.shape[0]
         q, k, v = self.qkv(layer, x, cos, sin, project)
         out = attend_short(
-            keys, values, slot_mapping, q, k, v, kv_index, mask, q_index, out_index, self.scaling, self.attention_kernel
+            keys, values, slot_mapping, q, k, v, kv_index, mask, q_index, out_index, self.scaling, self.attention_kernel,
+            self.attention_path,
         )
         return self.block_out(layer, x, out.reshape(n, self.q_size), project)
 
@@ -256,7 +260,7 @@ class FastLlama:
         laid out once (cpu.attention_pairs): elsewhere its prefill paths are too slow to take every chunk."""
         if self.tile or not cpu_kernels.attention_pairs(self.embed.dtype, self.math.head_dim):
             return False
-        self.math = replace(self.math, attention_kernel=True)
+        self.math = replace(self.math, attention_kernel=True, attention_path=cpu_kernels.ATTENTION_TREES_ALONE)
         self.routes_settled()  # where the kernel pairs bfloat16, every prefill chunk takes it
         return True
 
@@ -272,6 +276,8 @@ class FastLlama:
             isinstance(lin, Linear) and lin.packed is not None and lin.packed.kernel[0] == "a8" and lin.dense is None
             for lin in projections
         )
+        if invariant:  # a8's rows are exact in any step: a tree row's too, where the kernel can lay its keys side by side
+            self.math = replace(self.math, attention_path=cpu_kernels.ATTENTION_TREES_ALONE)
         if not self.math.attention_kernel:
             self.prefill_keys = 0
         elif cpu_kernels.attention_pairs(self.embed.dtype, self.math.head_dim):
@@ -355,6 +361,7 @@ class FastLlama:
                 self.math.scaling,
                 kernel=self.math.attention_kernel,
                 prefill_keys=self.prefill_keys,
+                kernel_path=self.math.attention_path,
             )
             x = self._rows(partial(self.math.block_out, layer), x, out[0].transpose(0, 1).reshape(t, self.math.q_size))
         return self._finish(x, keep, aux_layers, aux)

@@ -49,6 +49,10 @@ using specstream_kernels::Vec;
 
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kVectorPath = 0, kTiles = 1;  // short_attention's paths (short_attention_paths)
+// The path argument that picks as -1 does and asks the vector path's bfloat16 pairs to attend a tree row over the
+// keys it sees laid side by side (attend_scattered): invariant mode's and a8's, which must give a tree row its
+// path's bits. Elsewhere a tree row's result differs from its chain's only in rounding, and costs less in place.
+constexpr int64_t kTreesAlone = -2;
 constexpr int64_t kTileChunk = 16;  // queries that share one item on the AMX tiles
 constexpr int64_t kMaxVecs = kMaxDim / Vec::size();
 
@@ -247,20 +251,23 @@ inline __mmask16 visible16(const bool* m_row, int64_t m_stride, int64_t s0, int6
   return out;
 }
 
-// Where a query's mask shows keys that are not one run (a draft tree's row: its ancestors, their siblings hidden
-// between them), the indices of the keys it shows, in order, into vis, and their count; else -1 (a decode or chain
-// row shows its first keys, a windowed row one run of them: nothing to compact).
-inline int64_t scattered_keys(const bool* m_row, int64_t m_stride, int64_t s_max, int32_t* vis) {
-  if (!m_row) return -1;
-  int64_t n = 0, runs = 0;
-  bool before = false;
-  for (int64_t s = 0; s < s_max; ++s) {
-    const bool shown = m_row[s * m_stride];
-    runs += shown && !before;
-    before = shown;
-    if (shown) vis[n++] = static_cast<int32_t>(s);
+// Where a query's mask row shows keys that are not one run (a draft tree's row: its ancestors, their siblings hidden
+// between them), the indices of the keys it shows, in order; else none (a decode or chain row shows its first keys, a
+// windowed row one run of them: nothing to lay side by side).
+inline std::vector<int32_t> scattered_keys(const bool* m_row, int64_t m_stride, int64_t s_max) {
+  std::vector<int32_t> vis;
+  if (!m_row) return vis;
+  int64_t runs = 0;
+  uint32_t before = 0;  // whether the key before the block is shown
+  for (int64_t s0 = 0; s0 < s_max; s0 += 16) {  // count the runs' starts, 16 keys at a time
+    const uint32_t shown = visible16(m_row, m_stride, s0, std::min<int64_t>(16, s_max - s0));
+    runs += __builtin_popcount(shown & ~(shown << 1 | before));
+    before = shown >> 15 & 1;
   }
-  return runs > 1 ? n : -1;
+  if (runs < 2) return vis;
+  for (int64_t s = 0; s < s_max; ++s)
+    if (m_row[s * m_stride]) vis.push_back(static_cast<int32_t>(s));
+  return vis;
 }
 
 constexpr int64_t kChunk = 4;   // most queries that share one pass over the keys and values
@@ -390,32 +397,14 @@ struct PairCache {
   std::vector<uint32_t> room;
 };
 
-// A thread's buffers for attend_scattered, sized for s_pad keys.
-struct Compact {
-  void size(int64_t s_pad) {
-    keys_room.resize(s_pad);
-    scores_room.resize(s_pad + 16);
-    keys = keys_room.data();
-    scores = scores_room.data();
-  }
-  int32_t* keys = nullptr;  // the indices of the keys a query sees
-  float* scores = nullptr;  // their scores side by side, then their probabilities
-
- private:
-  std::vector<int32_t> keys_room;
-  std::vector<float> scores_room;
-};
-
-// One query whose mask shows keys that are not one run (a draft tree's row; scattered_keys put the n it sees in
-// compact.keys), from its scaled scores sc (by key, before masking), over those keys laid side by side. Each then
+// One query whose mask shows keys that are not one run (a draft tree's row: the n keys it sees, scattered_keys'), from
+// its scaled scores sc (by key, before masking), over those keys laid side by side; dense: room for s_pad + 16 floats. Each then
 // has the place it has when the same path is verified as a chain or decoded: it lands in the same lane of the
 // softmax's sum and in the same pair of the sum over values, and the row gets the chain's bits (README: the same
 // tokens in any batch). In place, the hidden keys between them would shift the later ones. A key the shared pass
 // counts as hidden adds an exact zero there, so a chain row would get these bits too.
-inline void attend_scattered(const float* sc, int64_t n, Compact& compact, const c10::BFloat16* v_base, int64_t v_stride,
-                             const int64_t* slots, c10::BFloat16* o_row) {
-  const int32_t* keys = compact.keys;
-  float* dense = compact.scores;
+inline void attend_scattered(const float* sc, const int32_t* keys, int64_t n, float* dense, const c10::BFloat16* v_base,
+                             int64_t v_stride, const int64_t* slots, c10::BFloat16* o_row) {
   for (int64_t c = 0; c < n; ++c) dense[c] = sc[keys[c]];
   softmax_rounded<c10::BFloat16>(dense, n, row_max(dense, n));  // past n: zeros
   __m512 part[4];
@@ -447,12 +436,13 @@ inline void attend_scattered(const float* sc, int64_t n, Compact& compact, const
 // broadcast pair). A query's scores are four chains of eight products (pairs p = c mod 4) added as (c0 + c1) +
 // (c2 + c3), its output the sum over keys in order: the same arithmetic whatever else shares the pass, so a
 // query's result depends on its query, keys and mask alone. scores: [NQ][s_pad] floats; probs: [NQ][s_pad]
-// bfloat16 bits; seen_by: by key, whether a query of the pass sees it.
+// bfloat16 bits; seen_by: by key, whether a query of the pass sees it; scattered: by query, where not null (kTreesAlone)
+// the keys it sees that are not one run (scattered_keys), attend_scattered's to attend; dense: its buffer.
 template <int64_t NQ>
 void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
                   const PairCache& cache, const c10::BFloat16* v_base, int64_t v_stride, const int64_t* slots,
                   int64_t m_stride, int64_t s_max, int64_t s_pad, float scale, float* scores, uint16_t* probs,
-                  bool* seen_by, Compact& compact) {
+                  bool* seen_by, const std::vector<int32_t>* const* scattered, float* dense) {
   const __m512 vscale = _mm512_set1_ps(scale);
   const uint32_t* q[NQ];
   for (int64_t j = 0; j < NQ; ++j) q[j] = reinterpret_cast<const uint32_t*>(q_rows[j]);
@@ -485,12 +475,13 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
   }
   // masked keys at -inf, each query's softmax (probabilities rounded to bfloat16, zeros past s_max), and its
   // probabilities as bfloat16 bits (exact: the upper half of each float's bits)
-  bool scattered[NQ];
   for (int64_t j = 0; j < NQ; ++j) {
     float* sc = scores + j * s_pad;
-    const int64_t n = scattered_keys(m_rows[j], m_stride, s_max, compact.keys);
-    scattered[j] = n >= 0;
-    if (scattered[j]) attend_scattered(sc, n, compact, v_base, v_stride, slots, o_rows[j]);
+    if (scattered[j]) {  // its own pass, below it takes no part
+      attend_scattered(sc, scattered[j]->data(), static_cast<int64_t>(scattered[j]->size()), dense, v_base, v_stride,
+                       slots, o_rows[j]);
+      continue;
+    }
     hide_masked(sc, m_rows[j], m_stride, s_max);
     softmax_rounded<c10::BFloat16>(sc, s_max, row_max(sc, s_max));
     for (int64_t s = 0; s < s_pad; s += 16) {
@@ -520,6 +511,7 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
     }
 #pragma GCC unroll 4
     for (int64_t j = 0; j < NQ; ++j) {
+      if (scattered[j]) continue;
       int32_t two;
       std::memcpy(&two, probs + j * s_pad + s, sizeof(two));
       const __m512bh p = (__m512bh)_mm512_set1_epi32(two);
@@ -528,7 +520,7 @@ void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
     }
   }
   for (int64_t j = 0; j < NQ; ++j) {
-    if (scattered[j]) continue;  // attend_scattered's
+    if (scattered[j]) continue;  // attend_scattered's, above
     alignas(64) float lanes[64];
     for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(lanes + c * 16, acc[j][c]);
     store_pair_sums<c10::BFloat16>({lanes, lanes + 16, lanes + 32, lanes + 48}, o_rows[j]);
@@ -752,7 +744,7 @@ void attend_tiles(const c10::BFloat16* const* q_rows, const bool* const* m_rows,
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& kv_index,
          const std::optional<at::Tensor>& mask, const at::Tensor& q_index, const at::Tensor& out_index, double scaling,
-         at::Tensor& out, int64_t path) {
+         at::Tensor& out, int64_t path, bool trees_alone) {
   const int64_t n = out_index.size(0), heads = query.size(1), d = query.size(2);
   const int64_t group = heads / keys.size(1);
   const int64_t t_max = q_index.size(1), s_max = kv_index.size(1);
@@ -861,25 +853,34 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             any |= visible16(m_ptr ? m_ptr + b * ms0 + (oi_ptr[i] % t_max) * ms2 : nullptr, ms3, s0, n);
           for (int64_t j = 0; j < 16; ++j) seen_of[b][s0 + j] = any >> j & 1;
         }
+      // by output row, where trees_alone: the keys it sees where they are not one run (empty: none such)
+      std::vector<std::vector<int32_t>> scattered_of(trees_alone ? n : 0);
+      for (int64_t i = 0; i < static_cast<int64_t>(scattered_of.size()); ++i)
+        if (m_ptr) scattered_of[i] = scattered_keys(m_ptr + (oi_ptr[i] / t_max) * ms0 + (oi_ptr[i] % t_max) * ms2, ms3, s_max);
       over_items(
           [&] {
             thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
             thread_local std::vector<float> scores;
             thread_local std::vector<uint16_t> probs;
-            thread_local Compact compact;
+            thread_local std::vector<float> dense;
             cache.b = -1;
             scores.resize(kChunk * s_pad);
             probs.resize(kChunk * s_pad);
-            compact.size(s_pad);
-            return std::make_tuple(&cache, scores.data(), probs.data(), std::unique_ptr<bool[]>(new bool[s_pad]), &compact);
+            dense.resize(s_pad + 16);
+            return std::make_tuple(&cache, scores.data(), probs.data(), std::unique_ptr<bool[]>(new bool[s_pad]), dense.data());
           },
           [&](auto& kept, auto nq, const Item& it, const T** q_rows, const bool** m_rows, T** o_rows) {
-            auto& [cache, scores, probs, seen, compact] = kept;
+            auto& [cache, scores, probs, seen, dense] = kept;
+            const std::vector<int32_t>* scattered[kChunk] = {};  // the item's queries' keys, where not one run
+            for (int64_t q = it.first; q < it.last && trees_alone; ++q) {
+              const std::vector<int32_t>& keys = scattered_of[rows_of[it.b][q / group]];
+              scattered[q - it.first] = keys.empty() ? nullptr : &keys;
+            }
             if (cache->b != it.b || cache->g != it.g)
               cache->fill(it.b, it.g, k_ptr + it.g * ks1, ks0, kv_ptr + it.b * s_max, s_max, s_pad, seen_of[it.b]);
             attend_pairs<decltype(nq)::value>(q_rows, m_rows, o_rows, *cache, v_ptr + it.g * vs1, vs0,
                                               kv_ptr + it.b * s_max, ms3, s_max, s_pad, scale, scores, probs, seen.get(),
-                                              *compact);
+                                              scattered, dense);
           });
       return;
     }
@@ -938,7 +939,8 @@ bool short_attention_pairs() {
 // (one layer of the pool), kv_index [B, S] pool slot of each sequence's keys, mask [B, 1, T_max, S] (True:
 // visible) or none, q_index [B, T_max] row of each query, out_index [n] flattened (b, t) of each output
 // row; path -1 picks (the AMX tiles for bfloat16 and a head dimension of 64 wherever the CPU has them, at every
-// row count: a row's numbers are then the same in any step), 0 or 1 asks for one. Returns [n, heads, d].
+// row count: a row's numbers are then the same in any step), -2 picks so and lays a tree row's keys side by side
+// (kTreesAlone), 0 or 1 asks for one. Returns [n, heads, d].
 at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& kv_index, const std::optional<at::Tensor>& mask, const at::Tensor& q_index,
                            const at::Tensor& out_index, double scaling, int64_t path) {
@@ -957,7 +959,8 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, cons
   static const std::vector<int64_t> paths = short_attention_paths();
   const bool fits_tiles = query.scalar_type() == at::kBFloat16 && query.size(2) == 64 &&
                           std::find(paths.begin(), paths.end(), kTiles) != paths.end();
-  TORCH_CHECK(path >= -1 && path <= kTiles, "short_attention: path -1, 0 or 1, not ", path);
+  TORCH_CHECK(path >= kTreesAlone && path <= kTiles, "short_attention: path -2, -1, 0 or 1, not ", path);
+  const bool trees_alone = path == kTreesAlone;
   TORCH_CHECK(path != kTiles || fits_tiles,
               "short_attention: the AMX path needs bfloat16, a head dimension of 64, and a CPU and build with AMX-BF16");
   if (path < 0) path = fits_tiles ? kTiles : kVectorPath;
@@ -965,9 +968,9 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& keys, cons
   at::Tensor out = at::empty({oi.size(0), query.size(1), query.size(2)}, query.options());
   if (oi.size(0) == 0) return out;
   switch (query.scalar_type()) {
-    case at::kFloat: run<float>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
-    case at::kBFloat16: run<c10::BFloat16>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
-    case at::kHalf: run<c10::Half>(query, keys, values, kv, mask, qi, oi, scaling, out, path); break;
+    case at::kFloat: run<float>(query, keys, values, kv, mask, qi, oi, scaling, out, path, trees_alone); break;
+    case at::kBFloat16: run<c10::BFloat16>(query, keys, values, kv, mask, qi, oi, scaling, out, path, trees_alone); break;
+    case at::kHalf: run<c10::Half>(query, keys, values, kv, mask, qi, oi, scaling, out, path, trees_alone); break;
     default: TORCH_CHECK(false, "short_attention: float32, bfloat16 or float16, not ", query.scalar_type());
   }
   return out;
