@@ -397,11 +397,11 @@ struct PairCache {
   std::vector<uint32_t> room;
 };
 
-// One query whose mask shows keys that are not one run (a draft tree's row: the n keys it sees, scattered_keys'), from
-// its scaled scores sc (by key, before masking), over those keys laid side by side; dense: room for s_pad + 16 floats. Each then
-// has the place it has when the same path is verified as a chain or decoded: it lands in the same lane of the
-// softmax's sum and in the same pair of the sum over values, and the row gets the chain's bits (README: the same
-// tokens in any batch). In place, the hidden keys between them would shift the later ones. A key the shared pass
+// One query whose mask shows keys that are not one run (a draft tree's row: the n keys it sees, scattered_keys'),
+// from its scaled scores sc (by key, before masking), over those keys laid side by side (dense: room for s_pad + 16
+// floats). Each then has the place it has when the same path is verified as a chain or decoded: it lands in the
+// same lane of the softmax's sum and in the same pair of the sum over values, and the row gets the chain's bits
+// (README: the same tokens in any batch). In place, the hidden keys between them would shift the later ones. A key the shared pass
 // counts as hidden adds an exact zero there, so a chain row would get these bits too.
 inline void attend_scattered(const float* sc, const int32_t* keys, int64_t n, float* dense, const c10::BFloat16* v_base,
                              int64_t v_stride, const int64_t* slots, c10::BFloat16* o_row) {
@@ -436,8 +436,9 @@ inline void attend_scattered(const float* sc, const int32_t* keys, int64_t n, fl
 // broadcast pair). A query's scores are four chains of eight products (pairs p = c mod 4) added as (c0 + c1) +
 // (c2 + c3), its output the sum over keys in order: the same arithmetic whatever else shares the pass, so a
 // query's result depends on its query, keys and mask alone. scores: [NQ][s_pad] floats; probs: [NQ][s_pad]
-// bfloat16 bits; seen_by: by key, whether a query of the pass sees it; scattered: by query, where not null (kTreesAlone)
-// the keys it sees that are not one run (scattered_keys), attend_scattered's to attend; dense: its buffer.
+// bfloat16 bits; seen_by: by key, whether a query of the pass sees it; scattered: by query, where not null
+// (kTreesAlone) the keys it sees that are not one run (scattered_keys), attend_scattered's to attend, and the pass
+// leaves it out; dense: attend_scattered's buffer.
 template <int64_t NQ>
 void attend_pairs(const c10::BFloat16* const* q_rows, const bool* const* m_rows, c10::BFloat16* const* o_rows,
                   const PairCache& cache, const c10::BFloat16* v_base, int64_t v_stride, const int64_t* slots,
@@ -855,8 +856,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
         }
       // by output row, where trees_alone: the keys it sees where they are not one run (empty: none such)
       std::vector<std::vector<int32_t>> scattered_of(trees_alone ? n : 0);
-      for (int64_t i = 0; i < static_cast<int64_t>(scattered_of.size()); ++i)
-        if (m_ptr) scattered_of[i] = scattered_keys(m_ptr + (oi_ptr[i] / t_max) * ms0 + (oi_ptr[i] % t_max) * ms2, ms3, s_max);
+      for (int64_t i = 0; i < static_cast<int64_t>(scattered_of.size()) && m_ptr; ++i)
+        scattered_of[i] = scattered_keys(m_ptr + (oi_ptr[i] / t_max) * ms0 + (oi_ptr[i] % t_max) * ms2, ms3, s_max);
       over_items(
           [&] {
             thread_local PairCache cache;  // kept for its memory; what it holds is this call's only from fill
