@@ -172,3 +172,25 @@ def default_model_source():
     from specstream.model.loader import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+# A draft tree of 9 rows (each row's parent among them): its root and 4 drafts on one path, 4 siblings between them.
+TREE_PARENTS, TREE_PATH = [-1, 0, 0, 1, 1, 2, 3, 6, 6], [0, 1, 3, 6, 8]
+
+
+def tree_path_logits(runner, prompt: list[int], path: list[int], siblings: list[int]):
+    """Prefill `prompt`, then verify one draft tree whose TREE_PATH rows hold `path` (its root first: the token
+    after the prompt) and whose other rows hold `siblings`: the path rows' logits, to compare with the same tokens
+    decoded one by one."""
+    from specstream.model.runner import ForwardItem
+
+    tokens, rest = [], iter(siblings)
+    for row in range(len(TREE_PARENTS)):
+        tokens.append(path[TREE_PATH.index(row)] if row in TREE_PATH else next(rest))
+    table: list[int] = []
+    assert runner.pool.reserve(table, len(prompt) + len(tokens))
+    try:
+        runner.forward([ForwardItem(table, 0, prompt, 1)])
+        return runner.forward([ForwardItem(table, len(prompt), tokens, len(tokens), TREE_PARENTS)])[TREE_PATH]
+    finally:
+        runner.pool.free(table)

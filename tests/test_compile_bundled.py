@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import tree_path_logits
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 
 pytestmark = pytest.mark.skipif(
@@ -92,23 +93,6 @@ def test_compiled_a8_logits_equal_eager():
     assert torch.equal(steps(compiled), steps(eager))
 
 
-def _tree_logits_of(e: Engine) -> torch.Tensor:
-    """The logits of _logits_of's first 5 tokens fed after its prompt as one draft tree's path (the root and 4
-    drafts), with 4 sibling drafts between them."""
-    from specstream.model.runner import ForwardItem
-
-    prompt, table = list(range(300, 335)), []
-    #          root  path  sib  path  sib  sib  path  sib  path
-    tokens = [1000, 1001, 7, 1002, 8, 9, 1003, 10, 1004]
-    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 6]
-    assert e.pool.reserve(table, 35 + len(tokens))
-    try:
-        e.runner.forward([ForwardItem(table, 0, prompt, 1)])
-        return e.runner.forward([ForwardItem(table, 35, tokens, len(tokens), parents)])[[0, 1, 3, 6, 8]]
-    finally:
-        e.pool.free(table)
-
-
 def _logits_of(e: Engine, schedule: list[int], beside: str = "", prompt_chunks: tuple[int, ...] = (35,)) -> torch.Tensor:
     """The logits of 20 tokens fed after a 35-token prompt (prefilled in prompt_chunks) in runs of `schedule`
     (1: a decode step; up to 16: a verification; more: a prefill chunk), with beside="batch" other sequences
@@ -150,7 +134,8 @@ def test_rows_are_bit_identical_in_any_step_in_bf16(mode, compile):
     alone, verified among 9 or 16 rows, prefilled in a chunk of 20 or 17, in steps beside other sequences'
     verifications or beside a prefill chunk (eager steps of up to 118 rows), after a prompt prefilled whole or in
     two chunks (as after a prefix-cache hit), or verified as a tree's path (where the attention kernel pairs
-    bfloat16); compiled and eager alike, and the compiled steps equal the eager ones. So greedy output cannot depend on the drafts, the batch or the prefix cache (under a8, prompts of up to
+    bfloat16); compiled and eager alike, and the compiled steps equal the eager ones. So greedy output cannot
+    depend on the drafts, the batch or the prefix cache (under a8, prompts of up to
     attention.KERNEL_MAX_KEYS tokens where the attention kernel does not pair bfloat16: longer prefill chunks
     attend through SDPA)."""
     from specstream.kernels import cpu as cpu_kernels
@@ -189,7 +174,9 @@ def test_rows_are_bit_identical_in_any_step_in_bf16(mode, compile):
         got = _logits_of(e, schedule, beside, chunks)
         assert torch.equal(got, alone), (schedule, beside, chunks, (got - alone).abs().max().item())
     if cpu_kernels.attention_pairs(torch.bfloat16, 64):  # the kernel lays a tree row's keys side by side
-        assert torch.equal(_tree_logits_of(e), alone[:5])
+        # _logits_of's prompt, then its first 5 tokens as a tree's path with 4 siblings between them
+        tree = tree_path_logits(e.runner, list(range(300, 335)), list(range(1000, 1005)), [7, 8, 9, 10])
+        assert torch.equal(tree, alone[:5])
     if compile:
         e.runner.fast.steps, steps = None, e.runner.fast.steps
         try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tree_path_logits
 from specstream import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from specstream.kernels import cpu as cpu_kernels
 from specstream.kernels.quant import ROWS_ALONE
@@ -86,20 +86,8 @@ def check_tree_rows_round_as_their_path(runner):
     g = torch.Generator().manual_seed(1)
     a = torch.randint(3, 300, (30,), generator=g).tolist()
     alone = run_schedule(runner, [a], alone_schedule(20, 30))[0]
-    other = torch.randint(3, 300, (6,), generator=g).tolist()
-    #          root   path   sib    path   sib    sib    path   sib    path
-    tokens = [a[19], a[20], other[0], a[21], other[1], other[2], a[22], other[3], a[23]]
-    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 6]
-    on_path = [0, 1, 3, 6, 8]
-    table = []
-    assert runner.pool.reserve(table, 19 + len(tokens))
-    try:
-        run = [ForwardItem(table, 0, a[:19], 1), ForwardItem(table, 19, tokens, len(tokens), parents)]
-        runner.forward(run[:1])
-        logits = runner.forward(run[1:])
-    finally:
-        runner.pool.free(table)
-    assert torch.equal(logits[on_path], alone[19:24])
+    siblings = torch.randint(3, 300, (4,), generator=g).tolist()
+    assert torch.equal(tree_path_logits(runner, a[:19], a[19:24], siblings), alone[19:24])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)

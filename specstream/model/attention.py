@@ -214,8 +214,9 @@ def attend(
 
 
 def _attend_group(
-    ctx: StepContext, group: AttentionGroup, query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys,
-    kernel_path,
+    ctx: StepContext,
+    group: AttentionGroup,
+    query, keys, values, scaling, window, softcap, sinks, kv_group, kernel, prefill_keys, kernel_path,
 ):
     """One group's attention: query [heads, T, d] (the whole step's rows); returns [heads, n, d]
     for the group's n tokens, in group.rows order."""
